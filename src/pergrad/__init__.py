@@ -1,0 +1,31 @@
+"""pergrad: per-example gradients with one API over JAX and PyTorch.
+
+    import pergrad
+    grads = pergrad.per_example_grads(loss_of_one_example)(params, X, Y)
+
+Public names only; the implementation lives in ``pergrad._src``. Frameworks are imported when
+a call needs them, so ``import pergrad`` imports neither JAX nor PyTorch.
+"""
+
+from typing import Any
+
+from pergrad._src.api import per_example_grads, value_and_per_example_grads
+from pergrad._src.errors import FallbackWarning
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FallbackWarning",
+    "module_loss",
+    "per_example_grads",
+    "value_and_per_example_grads",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # module_loss needs torch; import it only when it is asked for.
+    if name in ("module_loss", "ModuleLoss"):
+        from pergrad._src import torch_module
+
+        return getattr(torch_module, name)
+    raise AttributeError(f"module 'pergrad' has no attribute {name!r}")

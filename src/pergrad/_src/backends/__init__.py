@@ -1,0 +1,126 @@
+"""The backend protocol and the choice of backend from the arrays a call receives.
+
+Everything framework-specific that the core needs sits behind :class:`Backend`; one module per
+framework implements it (``jax_backend.py``, ``torch_backend.py``). Adding a framework means
+adding one module and one entry in :data:`_BACKEND_MODULES`.
+
+Frameworks are imported lazily: a backend module is imported only when a call needs it, and the
+detection below only looks for frameworks that the user's process has already imported (an array
+of a framework cannot exist before that framework is imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+_BACKEND_MODULES = {
+    "jax": "pergrad._src.backends.jax_backend",
+    "torch": "pergrad._src.backends.torch_backend",
+}
+
+# The module a framework's arrays come from, used to detect the backend without importing it.
+_FRAMEWORK_IMPORT_NAMES = {"jax": "jax", "torch": "torch"}
+
+
+class Backend(Protocol):
+    """What the core asks of a framework.
+
+    Trees are flattened to ``(paths, leaves, treedef)``; the core works on flat leaves and
+    rebuilds the user's structures with :meth:`unflatten`, so a backend needs only flat ``vmap``
+    and ``value_and_grad`` over a tuple argument.
+    """
+
+    name: str
+
+    def is_array(self, x: Any) -> bool:
+        """True for an array this backend computes with (numpy arrays count for JAX)."""
+
+    def owns(self, x: Any) -> bool:
+        """True for an array that only this framework produces (used to detect the backend)."""
+
+    def flatten(self, tree: Any) -> tuple[list[str], list[Any], Any]:
+        """Leaves of ``tree`` with their paths (``"['w']"`` style) and the structure."""
+
+    def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any: ...
+
+    def broadcast_prefix(self, prefix: Any, tree: Any) -> list[Any] | None:
+        """``prefix`` broadcast to one entry per leaf of ``tree``; None if not a prefix."""
+
+    def shape(self, x: Any) -> tuple[int, ...]: ...
+
+    def dtype_name(self, x: Any) -> str: ...
+
+    def is_inexact(self, x: Any) -> bool:
+        """True for floating or complex arrays (the ones that can be differentiated)."""
+
+    def as_differentiable(self, x: Any) -> Any:
+        """A Python float turned into a 0-d array of the default float dtype."""
+
+    def moveaxis_to_front(self, x: Any, axis: int) -> Any: ...
+
+    def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        """``fn(diff_leaves, *rest)`` -> value and gradient w.r.t. the tuple ``diff_leaves``."""
+
+    def vmap(
+        self,
+        fn: Callable[..., Any],
+        in_axes: tuple[Any, ...],
+        chunk_size: int | None,
+        randomness: str | None,
+    ) -> Callable[..., Any]: ...
+
+    def take(self, x: Any, index: int) -> Any:
+        """Example ``index`` of an array batched on axis 0."""
+
+    def stack(self, xs: Sequence[Any]) -> Any: ...
+
+    def zeros_example(self, x: Any) -> Any:
+        """Zeros shaped like ``x`` with a leading axis of size 1 instead of its own."""
+
+    def slice_empty(self, x: Any) -> Any:
+        """``x[:0]``: the empty batch of arrays shaped like ``x``."""
+
+    def explain_failure(self, err: Exception) -> Exception | None:
+        """A clear error for a vmap failure that a loop would not fix, else None."""
+
+    def scalar_loss_problem(self, loss: Any) -> str | None:
+        """None if ``loss`` is a real scalar array, else a description of what it is."""
+
+
+def available_backend_names() -> tuple[str, ...]:
+    return tuple(_BACKEND_MODULES)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; a clear error when its framework is not installed."""
+    if name not in _BACKEND_MODULES:
+        raise ValueError(
+            f"backend must be one of {sorted(_BACKEND_MODULES)} or None; got {name!r}."
+        )
+    try:
+        module = importlib.import_module(_BACKEND_MODULES[name])
+    except ImportError as err:
+        raise ImportError(
+            f"backend={name!r} needs {name} installed: pip install 'pergrad[{name}]' ({err})"
+        ) from err
+    return module.BACKEND
+
+
+def frameworks_in(tree: Any) -> list[tuple[str, str, type]]:
+    """``(framework, path, type)`` for each framework array found in ``tree``.
+
+    Only frameworks already imported by the process are looked for, so this never imports one.
+    """
+    found = []
+    for name, import_name in _FRAMEWORK_IMPORT_NAMES.items():
+        if import_name not in sys.modules:
+            continue
+        backend = get_backend(name)
+        paths, leaves, _ = backend.flatten(tree)
+        for path, leaf in zip(paths, leaves):
+            if backend.owns(leaf):
+                found.append((name, path, type(leaf)))
+    return found

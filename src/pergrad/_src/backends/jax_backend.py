@@ -1,0 +1,124 @@
+"""The JAX backend: ``jax.vmap`` / ``jax.value_and_grad`` and JAX's pytrees.
+
+JAX's pytree registry is used for flattening, so registered pytrees (flax structures, equinox
+modules, dataclasses registered with ``jax.tree_util``) work as parameters and as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class JaxBackend:
+    name = "jax"
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, jax.Array)
+
+    def flatten(self, tree: Any) -> tuple[list[str], list[Any], Any]:
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
+        return paths, leaves, treedef
+
+    def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
+    def broadcast_prefix(self, prefix: Any, tree: Any) -> list[Any] | None:
+        per_leaf: list[Any] = []
+
+        def extend(axis: Any, subtree: Any) -> None:
+            per_leaf.extend([axis] * len(jax.tree_util.tree_leaves(subtree)))
+
+        try:
+            jax.tree_util.tree_map(extend, prefix, tree, is_leaf=lambda x: x is None)
+        except (ValueError, TypeError):
+            return None
+        return per_leaf
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(np.shape(x))
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype)
+
+    def is_inexact(self, x: Any) -> bool:
+        return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+    def as_differentiable(self, x: Any) -> Any:
+        return jnp.asarray(x, dtype=jnp.result_type(float))
+
+    def moveaxis_to_front(self, x: Any, axis: int) -> Any:
+        return jnp.moveaxis(x, axis, 0)
+
+    def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        return jax.value_and_grad(fn, argnums=0, has_aux=has_aux)
+
+    def vmap(
+        self,
+        fn: Callable[..., Any],
+        in_axes: tuple[Any, ...],
+        chunk_size: int | None,
+        randomness: str | None,
+    ) -> Callable[..., Any]:
+        del randomness  # validated away by the API: JAX randomness comes in as batched keys
+        if chunk_size is None:
+            return jax.vmap(fn, in_axes=in_axes)
+        return _chunked_vmap(fn, in_axes, chunk_size)
+
+    def take(self, x: Any, index: int) -> Any:
+        return x[index]
+
+    def stack(self, xs: Sequence[Any]) -> Any:
+        return jnp.stack(list(xs))
+
+    def zeros_example(self, x: Any) -> Any:
+        return jnp.zeros((1, *np.shape(x)[1:]), dtype=x.dtype)
+
+    def slice_empty(self, x: Any) -> Any:
+        return x[:0]
+
+    def explain_failure(self, err: Exception) -> Exception | None:
+        return None
+
+    def scalar_loss_problem(self, loss: Any) -> str | None:
+        if not hasattr(loss, "shape") or not hasattr(loss, "dtype"):
+            return f"an object of type {type(loss).__name__}"
+        if loss.shape != ():
+            return f"an array of shape {tuple(loss.shape)}"
+        if not jnp.issubdtype(loss.dtype, jnp.floating):
+            return f"a scalar of dtype {loss.dtype}"
+        return None
+
+
+def _chunked_vmap(
+    fn: Callable[..., Any], in_axes: tuple[Any, ...], chunk_size: int
+) -> Callable[..., Any]:
+    """vmap that runs ``chunk_size`` examples at a time through ``lax.map``.
+
+    ``lax.map`` lowers to a loop, so under ``jit`` only one chunk's intermediates are live at
+    once. Batched arguments must be on axis 0 (the core moves them there).
+    """
+
+    def chunked(*args: Any) -> Any:
+        mapped = [a for a, ax in zip(args, in_axes) if ax is not None]
+
+        def one_example(mapped_example: list[Any]) -> Any:
+            it = iter(mapped_example)
+            full = [next(it) if ax is not None else a for a, ax in zip(args, in_axes)]
+            return fn(*full)
+
+        return jax.lax.map(one_example, mapped, batch_size=chunk_size)
+
+    return chunked
+
+
+BACKEND = JaxBackend()

@@ -1,0 +1,113 @@
+"""The PyTorch backend: ``torch.func.vmap`` / ``torch.func.grad_and_value`` and torch's pytrees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pergrad._src.errors import PergradValueError
+
+
+class TorchBackend:
+    name = "torch"
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def flatten(self, tree: Any) -> tuple[list[str], list[Any], Any]:
+        with_paths, treedef = pytree.tree_flatten_with_path(tree)
+        paths = [pytree.keystr(path) for path, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
+        return paths, leaves, treedef
+
+    def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any:
+        return pytree.tree_unflatten(list(leaves), treedef)
+
+    def broadcast_prefix(self, prefix: Any, tree: Any) -> list[Any] | None:
+        return pytree._broadcast_to_and_flatten(prefix, pytree.tree_structure(tree))
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def is_inexact(self, x: Any) -> bool:
+        return x.is_floating_point() or x.is_complex()
+
+    def as_differentiable(self, x: Any) -> Any:
+        return torch.tensor(float(x), dtype=torch.get_default_dtype())
+
+    def moveaxis_to_front(self, x: Any, axis: int) -> Any:
+        return torch.movedim(x, axis, 0)
+
+    def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        grad_and_value = torch.func.grad_and_value(fn, argnums=0, has_aux=has_aux)
+
+        def value_and_grad(*args: Any) -> Any:
+            grads, value = grad_and_value(*args)
+            return value, grads
+
+        return value_and_grad
+
+    def vmap(
+        self,
+        fn: Callable[..., Any],
+        in_axes: tuple[Any, ...],
+        chunk_size: int | None,
+        randomness: str | None,
+    ) -> Callable[..., Any]:
+        return torch.func.vmap(
+            fn, in_dims=in_axes, randomness=randomness or "error", chunk_size=chunk_size
+        )
+
+    def take(self, x: Any, index: int) -> Any:
+        return x[index]
+
+    def stack(self, xs: Sequence[Any]) -> Any:
+        return torch.stack(list(xs))
+
+    def zeros_example(self, x: Any) -> Any:
+        return torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+    def slice_empty(self, x: Any) -> Any:
+        return x[:0]
+
+    def explain_failure(self, err: Exception) -> Exception | None:
+        """A clear error for failures a loop would not fix; None to let the core fall back."""
+        message = str(err)
+        if "randomness" in message and "vmap" in message:
+            return PergradValueError(
+                "per_example_grads: fn draws random numbers (e.g. dropout) inside vmap. Pass "
+                "randomness='different' for independent randomness per example (what a loop "
+                "over examples gives), randomness='same' for one draw shared by the batch, or "
+                "call model.eval() to switch dropout off."
+            )
+        if "mutate a captured Tensor" in message:
+            return PergradValueError(
+                "per_example_grads: fn writes in place into a tensor it captured instead of "
+                "receiving it as an argument; most often BatchNorm in training mode updating "
+                "its running statistics. BatchNorm in training mode mixes the examples of a "
+                "batch, so per-example gradients are not defined: call model.eval() or use "
+                "GroupNorm / LayerNorm. Otherwise pass the tensor as an argument of fn. "
+                f"(torch: {message.splitlines()[0][:160]})"
+            )
+        return None
+
+    def scalar_loss_problem(self, loss: Any) -> str | None:
+        if not isinstance(loss, torch.Tensor):
+            return f"an object of type {type(loss).__name__}"
+        if loss.dim() != 0:
+            return f"a tensor of shape {tuple(loss.shape)}"
+        if not loss.is_floating_point():
+            return f"a scalar of dtype {self.dtype_name(loss)}"
+        return None
+
+
+BACKEND = TorchBackend()

@@ -1,0 +1,24 @@
+"""pergrad's own exceptions and warnings.
+
+Errors pergrad raises about the user's input are ordinary ``ValueError`` / ``TypeError``
+subclasses, so ``except ValueError`` works; the subclasses let the core tell its own errors
+apart from a framework's while it decides whether to fall back to another strategy.
+"""
+
+from __future__ import annotations
+
+
+class PergradValueError(ValueError):
+    """Bad input: the message names the argument, what was expected and what came."""
+
+
+class PergradTypeError(TypeError):
+    """An argument of the wrong type: the message names it, what was expected and what came."""
+
+
+class FallbackWarning(UserWarning):
+    """The framework could not vectorise ``fn`` and pergrad took a slower, correct strategy."""
+
+
+def is_pergrad_error(err: BaseException) -> bool:
+    return isinstance(err, (PergradValueError, PergradTypeError))

@@ -1,0 +1,106 @@
+"""``module_loss``: the loss of one example from an ``nn.Module`` and a batch loss function.
+
+It writes once the pattern every torch.func tutorial repeats: ``functional_call`` with the
+parameters as an argument and the buffers as they are, the example given a batch axis of one
+(``unsqueeze(0)``), and a batch loss (``F.cross_entropy``) that then averages over one example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.func import functional_call
+
+from pergrad._src.errors import PergradTypeError, PergradValueError
+
+
+class ModuleLoss:
+    """The loss of one example through ``model``: ``loss(params, *inputs, *targets) -> scalar``.
+
+    Made by :func:`module_loss`; pass it to :func:`pergrad.per_example_grads` with
+    ``loss.params()``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any], num_inputs: int) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters (``requires_grad``), detached: they share storage with the
+        model, so they follow optimizer steps, and no graph leads back into the model."""
+        return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def __call__(self, params: dict[str, torch.Tensor], *example: Any) -> torch.Tensor:
+        if len(example) < self.num_inputs:
+            raise PergradValueError(
+                f"module_loss: the loss takes params, then {self.num_inputs} model input(s), "
+                f"then the loss function's arguments; got {len(example)} argument(s) after "
+                f"params."
+            )
+        refuse_batch_mixing_layers(self.model, "module_loss")
+        batched = [pytree.tree_map(_add_batch_axis, x) for x in example]
+        inputs, targets = batched[: self.num_inputs], batched[self.num_inputs :]
+        buffers = dict(self.model.named_buffers())
+        output = functional_call(self.model, (params, buffers), tuple(inputs))
+        loss = self.loss_fn(output, *targets)
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+            loss = loss.reshape(())  # a reduction="none" loss of the one example
+        return loss
+
+
+def _add_batch_axis(x: Any) -> Any:
+    return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
+
+
+def module_loss(model: nn.Module, loss_fn: Callable[..., Any], num_inputs: int = 1) -> ModuleLoss:
+    """The loss of one example through ``model``, ready for :func:`pergrad.per_example_grads`.
+
+    Args:
+      model: any ``nn.Module``. Its buffers (BatchNorm statistics in eval mode) are used as they
+        are and never written; BatchNorm in training mode is refused, since it mixes examples.
+      loss_fn: a batch loss, ``loss_fn(output, *targets) -> scalar``, e.g.
+        ``torch.nn.functional.cross_entropy``. It is called on a batch of one example.
+      num_inputs: how many of the per-example arguments go to the model (the rest go to
+        ``loss_fn``). Default 1: ``loss(params, x, y)`` runs ``loss_fn(model(x), y)``.
+
+    Example::
+
+        loss = pergrad.module_loss(model, F.cross_entropy)
+        grads = pergrad.per_example_grads(loss)(loss.params(), X, Y)
+        # {'fc.weight': (B, 10, 128), 'fc.bias': (B, 10), ...}
+
+    Parameters with ``requires_grad=False`` are not in ``loss.params()`` and stay fixed.
+    """
+    if not isinstance(model, nn.Module):
+        raise PergradTypeError(
+            f"module_loss: model must be a torch.nn.Module; got {type(model).__name__}."
+        )
+    if not callable(loss_fn):
+        raise PergradTypeError(
+            f"module_loss: loss_fn must be a callable loss_fn(output, *targets) -> scalar; got "
+            f"{type(loss_fn).__name__}."
+        )
+    if isinstance(num_inputs, bool) or not isinstance(num_inputs, int) or num_inputs < 1:
+        raise PergradValueError(
+            f"module_loss: num_inputs must be a positive int; got {num_inputs!r}."
+        )
+    refuse_batch_mixing_layers(model, "module_loss")
+    return ModuleLoss(model, loss_fn, num_inputs)
+
+
+def refuse_batch_mixing_layers(model: nn.Module, func_name: str) -> None:
+    """Raise if ``model`` has a layer whose output for one example depends on the others."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            raise PergradValueError(
+                f"{func_name}: layer {name!r} ({type(module).__name__}) is in training "
+                f"mode, where it normalises with the statistics of the whole batch, so an "
+                f"example's gradient depends on the other examples and per-example gradients "
+                f"are not defined. Call model.eval() (running statistics), or replace it with "
+                f"GroupNorm / LayerNorm."
+            )

@@ -1,0 +1,45 @@
+"""Independent references for the tests: per-example gradients by a Python loop.
+
+The loops use the frameworks' plain autodiff (``torch.autograd.grad`` / ``jax.grad``) on one
+example at a time, with no vmap, so they share no code path with pergrad's vectorised core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def torch_loop_grads(loss_of_one, params: dict, *batched: Any) -> dict:
+    """``{name: (B, *shape)}`` from ``loss_of_one(params, *example)`` run example by example.
+
+    ``params`` is a dict of tensors; each ``batched`` argument is a tensor batched on axis 0.
+    """
+    import torch
+
+    names = list(params)
+    batch_size = batched[0].shape[0]
+    per_example = []
+    for i in range(batch_size):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        loss = loss_of_one(leaves, *(b[i] for b in batched))
+        per_example.append(torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True))
+    return {
+        k: torch.stack(
+            [g[j] if g[j] is not None else torch.zeros_like(params[k]) for g in per_example]
+        )
+        for j, k in enumerate(names)
+    }
+
+
+def jax_loop_grads(loss_of_one, params: Any, *batched: Any) -> Any:
+    """Pytree like ``params`` with a leading batch axis, by ``jax.grad`` one example at a time."""
+    import jax
+    import jax.numpy as jnp
+
+    batch_size = jax.tree_util.tree_leaves(batched)[0].shape[0]
+    grad_fn = jax.jit(jax.grad(loss_of_one))
+    per_example = [
+        grad_fn(params, *jax.tree_util.tree_map(lambda b, i=i: b[i], batched))
+        for i in range(batch_size)
+    ]
+    return jax.tree_util.tree_map(lambda *gs: jnp.stack(gs), *per_example)
