@@ -395,6 +395,11 @@ def _prepare(spec: _Spec, args: tuple[Any, ...]) -> _Call:
             f"0 to {len(args) - 1})."
         )
     bk = _select_backend(spec, args)
+    if spec.randomness is not None and not bk.supports_randomness:
+        raise PergradValueError(
+            f"{name}: randomness={spec.randomness!r} is a PyTorch option; with {bk.name}, pass "
+            f"one random key per example as a batched argument (e.g. jax.random.split(key, B))."
+        )
     treedefs, leaves, infos = [], [], []
     for index, arg in enumerate(args):
         paths, arg_leaves, treedef = bk.flatten(arg)

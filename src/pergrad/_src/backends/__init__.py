@@ -34,6 +34,7 @@ class Backend(Protocol):
     """
 
     name: str
+    supports_randomness: bool  # whether ``randomness=`` means something (torch.func's vmap)
 
     def is_array(self, x: Any) -> bool:
         """True for an array this backend computes with (numpy arrays count for JAX)."""

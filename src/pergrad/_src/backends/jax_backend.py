@@ -16,6 +16,7 @@ import numpy as np
 
 class JaxBackend:
     name = "jax"
+    supports_randomness = False
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, (jax.Array, np.ndarray, np.generic))

@@ -13,6 +13,7 @@ from pergrad._src.errors import PergradValueError
 
 class TorchBackend:
     name = "torch"
+    supports_randomness = True
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
