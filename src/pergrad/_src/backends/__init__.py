@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from pergrad._src.errors import PergradTypeError
+
 _BACKEND_MODULES = {
     "jax": "pergrad._src.backends.jax_backend",
     "torch": "pergrad._src.backends.torch_backend",
@@ -87,6 +89,12 @@ class Backend(Protocol):
     def explain_failure(self, err: Exception) -> Exception | None:
         """A clear error for a vmap failure that a loop would not fix, else None."""
 
+    def to_numpy(self, x: Any) -> Any:
+        """A numpy copy of ``x`` (used for small results: ``(B,)`` statistics, indices)."""
+
+    def from_numpy(self, x: Any, like: Any) -> Any:
+        """``x`` as an array of this framework, on the device of ``like``."""
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         """None if ``loss`` is a real scalar array, else a description of what it is."""
 
@@ -108,6 +116,22 @@ def get_backend(name: str) -> Backend:
             f"backend={name!r} needs {name} installed: pip install 'pergrad[{name}]' ({err})"
         ) from err
     return module.BACKEND
+
+
+def backend_of(tree: Any, func_name: str, arg_name: str) -> Backend:
+    """The backend of the arrays in ``tree``; a clear error if there are none or two kinds."""
+    found = frameworks_in(tree)
+    kinds = sorted({framework for framework, _, _ in found})
+    if len(kinds) == 1:
+        return get_backend(kinds[0])
+    if not kinds:
+        raise PergradTypeError(
+            f"{func_name}: {arg_name} must hold JAX arrays or torch tensors; got "
+            f"{type(tree).__name__} with no framework array in it."
+        )
+    raise PergradTypeError(
+        f"{func_name}: {arg_name} mixes arrays of {' and '.join(kinds)}; pass one framework's."
+    )
 
 
 def frameworks_in(tree: Any) -> list[tuple[str, str, type]]:

@@ -90,6 +90,13 @@ class JaxBackend:
     def explain_failure(self, err: Exception) -> Exception | None:
         return None
 
+    def to_numpy(self, x: Any) -> Any:
+        return np.asarray(x)
+
+    def from_numpy(self, x: Any, like: Any) -> Any:
+        del like  # JAX places it on the default device, as the rest of the computation
+        return jnp.asarray(x)
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         if not hasattr(loss, "shape") or not hasattr(loss, "dtype"):
             return f"an object of type {type(loss).__name__}"

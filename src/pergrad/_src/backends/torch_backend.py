@@ -101,6 +101,12 @@ class TorchBackend:
             )
         return None
 
+    def to_numpy(self, x: Any) -> Any:
+        return x.detach().cpu().numpy()
+
+    def from_numpy(self, x: Any, like: Any) -> Any:
+        return torch.as_tensor(x, device=like.device if isinstance(like, torch.Tensor) else None)
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         if not isinstance(loss, torch.Tensor):
             return f"an object of type {type(loss).__name__}"

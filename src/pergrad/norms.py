@@ -1,0 +1,27 @@
+"""Per-example gradient norms, their summary statistics, alignment and the noise scale.
+
+    norms = pergrad.norms.per_example_norms(grads)           # (B,)
+    print(pergrad.norms.summarize(norms, threshold=1.0))     # NormSummary(n=64, mean=..., ...)
+    pergrad.norms.noise_scale(grads).b_simple                # McCandlish et al. (2018)
+
+Each function takes per-example gradients from either framework and returns the framework's
+arrays (or plain Python numbers for summaries).
+"""
+
+from pergrad._src.norms import (
+    NoiseScale,
+    NormSummary,
+    cosine_to_mean,
+    noise_scale,
+    per_example_norms,
+    summarize,
+)
+
+__all__ = [
+    "NoiseScale",
+    "NormSummary",
+    "cosine_to_mean",
+    "noise_scale",
+    "per_example_norms",
+    "summarize",
+]
