@@ -9,7 +9,7 @@ a call needs them, so ``import pergrad`` imports neither JAX nor PyTorch.
 
 from typing import Any
 
-from pergrad import norms, outliers
+from pergrad import norms, outliers, testing
 from pergrad._src.api import per_example_grads, value_and_per_example_grads
 from pergrad._src.errors import FallbackWarning
 
@@ -20,6 +20,7 @@ __all__ = [
     "module_loss",
     "norms",
     "outliers",
+    "testing",
     "per_example_grads",
     "value_and_per_example_grads",
 ]
