@@ -15,6 +15,8 @@ This module is framework-free: it sees each argument as a list of leaves with a 
    disagree too, inference stops with an error that shows an explicit ``in_axes``.
 5. Uniform arguments of leading size ``B`` are batched on axis 0; everything else is shared,
    mixed arguments included, even when one of their leaves happens to have leading size ``B``.
+6. One case stays ambiguous and raises: a container of only 1-D arrays of length ``B`` beside
+   other batched arguments (flax ``batch_stats`` when the channel count equals ``B``).
 
 An explicit ``in_axes`` (JAX's pytree-prefix semantics) is validated leaf by leaf instead.
 """
@@ -83,6 +85,7 @@ def infer(func_name: str, args: Sequence[ArgInfo]) -> Resolved:
             f"single example, add one, e.g. x[None]); or pass in_axes explicitly."
         )
     batch_size = _agreed_batch_size(func_name, args, candidates)
+    _refuse_state_shaped_data(func_name, args, batch_size)
     axes = []
     for arg in args:
         batched = not arg.differentiated and arg.uniform_size() == batch_size
@@ -111,6 +114,30 @@ def _agreed_batch_size(func_name: str, args: Sequence[ArgInfo], candidates: list
         f"({listing}). Pass in_axes explicitly; if the batch size is {most_common}: "
         f"in_axes={example}."
     )
+
+
+def _refuse_state_shaped_data(func_name: str, args: Sequence[ArgInfo], batch_size: int) -> None:
+    """Stop where a container could as well be per-channel state as a batch of data.
+
+    A container of 1-D arrays of length B beside other batched data is what flax's
+    ``batch_stats`` looks like when the channel count equals B; batching it would silently
+    give each example one number of each statistic, so ask instead of guessing.
+    """
+    batched = [a for a in args if not a.differentiated and a.uniform_size() == batch_size]
+    for arg in batched:
+        sized = arg.sized_leaves()
+        if arg.is_bare_array or len(batched) < 2 or any(len(leaf.shape) != 1 for leaf in sized):
+            continue
+        paths = ", ".join(leaf.path for leaf in sized[:4]) + (", ..." if len(sized) > 4 else "")
+        as_state = _format_in_axes(args, lambda a, arg=arg: a in batched and a is not arg)
+        as_data = _format_in_axes(args, lambda a: a in batched)
+        raise PergradValueError(
+            f"{func_name}: cannot infer in_axes for {arg.label}: its arrays ({paths}) are all "
+            f"1-D of length {batch_size}, the batch size, so they could be per-channel model "
+            f"state (e.g. BatchNorm statistics) as well as per-example data. Pass in_axes "
+            f"explicitly: in_axes={as_state} if it is shared state, in_axes={as_data} if it "
+            f"is data."
+        )
 
 
 def _format_in_axes(args: Sequence[ArgInfo], batched: Callable[[ArgInfo], bool]) -> str:
