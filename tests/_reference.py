@@ -43,3 +43,14 @@ def jax_loop_grads(loss_of_one, params: Any, *batched: Any) -> Any:
         for i in range(batch_size)
     ]
     return jax.tree_util.tree_map(lambda *gs: jnp.stack(gs), *per_example)
+
+
+def torch_loop_losses(loss_of_one, params: dict, *batched: Any) -> Any:
+    """``(B,)`` losses from ``loss_of_one(params, *example)`` run example by example."""
+    import torch
+
+    batch_size = batched[0].shape[0]
+    with torch.no_grad():
+        return torch.stack(
+            [loss_of_one(params, *(b[i] for b in batched)) for i in range(batch_size)]
+        )

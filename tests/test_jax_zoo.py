@@ -16,9 +16,9 @@ import pytest
 jax = pytest.importorskip("jax", reason="the JAX zoo needs jax installed")
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
-from tests._reference import jax_loop_grads  # noqa: E402
 
 import pergrad  # noqa: E402
+from _reference import jax_loop_grads  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 B = 3  # batch size of the zoo

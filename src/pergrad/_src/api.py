@@ -260,16 +260,15 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     call = _prepare(spec, args)
     bk = call.backend
     single = _single_example_fn(spec, call, kwargs)
-    value_and_grad = bk.value_and_grad(single, spec.has_aux)
     diff_values = tuple(call.leaves[i][j] for i, j in call.diff_positions)
     batched_values = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     if call.batch_size == 0:
         # Run one dummy example to learn the output shapes, then return empty arrays.
         padded = tuple(bk.zeros_example(v) for v in batched_values)
-        out = _run(spec, bk, value_and_grad, diff_values, padded, 1)
+        out = _run(spec, bk, single, diff_values, padded, 1)
         out = _map_arrays(bk, bk.slice_empty, out)
     else:
-        out = _run(spec, bk, value_and_grad, diff_values, batched_values, call.batch_size)
+        out = _run(spec, bk, single, diff_values, batched_values, call.batch_size)
     value, grad_leaves = out
     return value, _rebuild_grads(spec, call, grad_leaves)
 
@@ -277,13 +276,14 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _run(
     spec: _Spec,
     bk: Backend,
-    value_and_grad: Callable[..., Any],
+    single: Callable[..., Any],
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
     batch_size: int,
 ) -> Any:
     if spec.use_loop:
-        return _loop(bk, value_and_grad, diff_values, batched_values, batch_size)
+        return _loop(spec, bk, single, diff_values, batched_values, batch_size)
+    value_and_grad = bk.value_and_grad(single, spec.has_aux)
     vectorised = bk.vmap(value_and_grad, (None, 0), spec.chunk_size, spec.randomness)
     try:
         return vectorised(diff_values, batched_values)
@@ -295,8 +295,7 @@ def _run(
             raise explained from err
         # The framework could not batch fn. Check that one example works on its own (if not,
         # the problem is in fn and its own error is the clearest), then loop over examples.
-        first = tuple(bk.take(v, 0) for v in batched_values)
-        value_and_grad(diff_values, first)
+        _loop(spec, bk, single, diff_values, batched_values, 1, stacked=False)
         warnings.warn(
             f"{spec.func_name}: {bk.name} could not vectorise fn "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Falling back to a "
@@ -306,24 +305,42 @@ def _run(
             stacklevel=4,
         )
         spec.use_loop = True
-        return _loop(bk, value_and_grad, diff_values, batched_values, batch_size)
+        return _loop(spec, bk, single, diff_values, batched_values, batch_size)
 
 
 def _loop(
+    spec: _Spec,
     bk: Backend,
-    value_and_grad: Callable[..., Any],
+    single: Callable[..., Any],
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
     batch_size: int,
+    stacked: bool = True,
 ) -> Any:
-    outs = [
-        value_and_grad(diff_values, tuple(bk.take(v, i) for v in batched_values))
-        for i in range(batch_size)
-    ]
+    """Per-example gradients one example at a time, with the framework's plain autodiff.
+
+    Randomness follows ``spec.randomness`` as the vectorised path would: "same" replays one
+    random state for every example; "error" (the default) refuses a loss that draws.
+    """
+    value_and_grad = bk.loop_value_and_grad(single, spec.has_aux)
+    start_state = bk.rng_state()
+    outs = []
+    for i in range(batch_size):
+        if spec.randomness == "same":
+            bk.set_rng_state(start_state)
+        outs.append(value_and_grad(diff_values, tuple(bk.take(v, i) for v in batched_values)))
+        if spec.randomness in (None, "error") and bk.rng_state_changed(start_state):
+            raise PergradValueError(
+                f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "
+                f"randomness='different' for independent randomness per example, "
+                f"randomness='same' for one draw shared by the batch, or switch it off "
+                f"(model.eval())."
+            )
+    if not stacked:
+        return outs
     _, _, treedef = bk.flatten(outs[0])
     per_example = [bk.flatten(out)[1] for out in outs]
-    stacked = [bk.stack(column) for column in zip(*per_example)]
-    return bk.unflatten(treedef, stacked)
+    return bk.unflatten(treedef, [bk.stack(column) for column in zip(*per_example)])
 
 
 def _map_arrays(bk: Backend, f: Callable[[Any], Any], tree: Any) -> Any:
@@ -351,7 +368,7 @@ def _single_example_fn(
         if problem is not None:
             hint = (
                 " With has_aux=False, return only the loss (or pass has_aux=True)."
-                if isinstance(out, (tuple, list))
+                if isinstance(out, (tuple, list)) and not spec.has_aux
                 else " fn sees ONE example (no batch axis) and must reduce to a scalar; a "
                 "loss of the whole batch gives no per-example gradients."
             )

@@ -47,10 +47,16 @@ class ModuleLoss:
         inputs, targets = batched[: self.num_inputs], batched[self.num_inputs :]
         buffers = dict(self.model.named_buffers())
         output = functional_call(self.model, (params, buffers), tuple(inputs))
-        loss = self.loss_fn(output, *targets)
-        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
-            loss = loss.reshape(())  # a reduction="none" loss of the one example
-        return loss
+        out = self.loss_fn(output, *targets)
+        if isinstance(out, tuple) and len(out) == 2:  # (loss, aux), for has_aux=True
+            return _as_scalar(out[0]), out[1]
+        return _as_scalar(out)
+
+
+def _as_scalar(loss: Any) -> Any:
+    if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+        return loss.reshape(())  # a reduction="none" loss of the one example
+    return loss
 
 
 def _add_batch_axis(x: Any) -> Any:

@@ -67,6 +67,18 @@ class Backend(Protocol):
     def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
         """``fn(diff_leaves, *rest)`` -> value and gradient w.r.t. the tuple ``diff_leaves``."""
 
+    def loop_value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        """Like :meth:`value_and_grad`, for one example at a time outside any vmap; may use
+        the framework's plain autodiff, which handles more than its function transforms."""
+
+    def rng_state(self) -> Any:
+        """The framework's global random state (None where randomness is explicit, as in JAX)."""
+
+    def set_rng_state(self, state: Any) -> None: ...
+
+    def rng_state_changed(self, state: Any) -> bool:
+        """Whether random numbers were drawn since ``state`` was read."""
+
     def vmap(
         self,
         fn: Callable[..., Any],

@@ -63,6 +63,18 @@ class JaxBackend:
     def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
         return jax.value_and_grad(fn, argnums=0, has_aux=has_aux)
 
+    def loop_value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        return self.value_and_grad(fn, has_aux)
+
+    def rng_state(self) -> Any:
+        return None  # JAX has no global random state: keys are arguments
+
+    def set_rng_state(self, state: Any) -> None:
+        del state
+
+    def rng_state_changed(self, state: Any) -> bool:
+        return False
+
     def vmap(
         self,
         fn: Callable[..., Any],

@@ -57,6 +57,39 @@ class TorchBackend:
 
         return value_and_grad
 
+    def loop_value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        # Plain autograd rather than torch.func: it also runs what function transforms refuse
+        # (full backward hooks, autograd.Functions without a vmap rule).
+        def value_and_grad(diff: tuple[Any, ...], example: tuple[Any, ...]) -> Any:
+            leaves = tuple(x.detach().requires_grad_(True) for x in diff)
+            with torch.enable_grad():
+                out = fn(leaves, example)
+                loss = out[0] if has_aux else out
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
+            value = (loss.detach(), _detach(out[1])) if has_aux else loss.detach()
+            return value, grads
+
+        return value_and_grad
+
+    def rng_state(self) -> Any:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return torch.random.get_rng_state(), cuda
+
+    def set_rng_state(self, state: Any) -> None:
+        cpu, cuda = state
+        torch.random.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def rng_state_changed(self, state: Any) -> bool:
+        now = self.rng_state()
+        return not (
+            torch.equal(now[0], state[0])
+            and len(now[1]) == len(state[1])
+            and all(torch.equal(a, b) for a, b in zip(now[1], state[1]))
+        )
+
     def vmap(
         self,
         fn: Callable[..., Any],
@@ -115,6 +148,10 @@ class TorchBackend:
         if not loss.is_floating_point():
             return f"a scalar of dtype {self.dtype_name(loss)}"
         return None
+
+
+def _detach(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
 BACKEND = TorchBackend()
