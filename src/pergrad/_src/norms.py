@@ -9,6 +9,7 @@ came from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,7 +45,8 @@ def _flat_leaves(func_name: str, grads: Any) -> tuple[Backend, list[str], list[A
             f"{listing}); pass the output of per_example_grads for one batch."
         )
     batch_size = sizes.pop()
-    flat = [leaf.reshape(batch_size, -1) for leaf in leaves]
+    # An explicit width (not -1) so that an empty batch (B == 0) reshapes too.
+    flat = [leaf.reshape(batch_size, math.prod(bk.shape(leaf)[1:])) for leaf in leaves]
     return bk, paths, flat, treedef, batch_size
 
 

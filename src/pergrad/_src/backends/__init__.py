@@ -107,6 +107,13 @@ class Backend(Protocol):
     def from_numpy(self, x: Any, like: Any) -> Any:
         """``x`` as an array of this framework, on the device of ``like``."""
 
+    def standard_normal(self, rng: Any, like: Any) -> Any:
+        """Standard normal noise shaped like ``like``: ``rng`` is a JAX key or a
+        ``torch.Generator`` (None: torch's global generator)."""
+
+    def split_key(self, rng: Any, num: int) -> Any:
+        """``num`` independent randomness sources from ``rng`` (JAX keys; torch returns it)."""
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         """None if ``loss`` is a real scalar array, else a description of what it is."""
 

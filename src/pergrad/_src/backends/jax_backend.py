@@ -109,6 +109,12 @@ class JaxBackend:
         del like  # JAX places it on the default device, as the rest of the computation
         return jnp.asarray(x)
 
+    def standard_normal(self, rng: Any, like: Any) -> Any:
+        return jax.random.normal(rng, jnp.shape(like), jnp.result_type(like))
+
+    def split_key(self, rng: Any, num: int) -> Any:
+        return list(jax.random.split(rng, num))
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         if not hasattr(loss, "shape") or not hasattr(loss, "dtype"):
             return f"an object of type {type(loss).__name__}"

@@ -140,6 +140,12 @@ class TorchBackend:
     def from_numpy(self, x: Any, like: Any) -> Any:
         return torch.as_tensor(x, device=like.device if isinstance(like, torch.Tensor) else None)
 
+    def standard_normal(self, rng: Any, like: Any) -> Any:
+        return torch.randn(like.shape, generator=rng, dtype=like.dtype, device=like.device)
+
+    def split_key(self, rng: Any, num: int) -> Any:
+        return [rng] * num  # a torch.Generator advances by itself
+
     def scalar_loss_problem(self, loss: Any) -> str | None:
         if not isinstance(loss, torch.Tensor):
             return f"an object of type {type(loss).__name__}"

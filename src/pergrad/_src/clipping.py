@@ -1,0 +1,211 @@
+"""Per-example clipping, clipped sums and Gaussian noise: the DP-SGD aggregate.
+
+Everything here takes per-example gradients (a pytree, leaves ``(B, *param_shape)``) from
+either framework and works through the backend protocol and the arithmetic that JAX arrays and
+torch tensors share, so one implementation serves both.
+
+Bounds are either one number (flat clipping: each example's whole gradient to norm ``<= C``) or
+a pytree prefix of the gradients (per-layer / per-group clipping: ``{"encoder": 1.0, "head":
+0.5}`` clips each group of leaves to its own bound). The sensitivity of the clipped sum is then
+``sqrt(sum of squared bounds)``, and the noise scales with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pergrad._src.backends import Backend, backend_of
+from pergrad._src.errors import PergradValueError
+from pergrad._src.norms import _flat_leaves
+
+
+class ClippedSum(NamedTuple):
+    """The sum over examples of clipped per-example gradients, and what clipping did.
+
+    A named tuple, so it passes through ``jax.jit`` and the frameworks' pytree utilities.
+
+    Attributes:
+      sum: pytree like one example's gradient (no batch axis).
+      norms: ``(B,)`` each example's gradient norm before clipping (flat clipping), or a list of
+        ``(B,)`` norms, one per group (per-layer clipping).
+      clip_fraction: share of (real, unmasked) examples whose gradient was scaled down, a 0-d
+        array (per group: the share clipped in any group).
+      sensitivity: how far one example can move ``sum``: the bound, or sqrt(Σ bounds²).
+      count: number of real examples summed (a 0-d array; B without a mask).
+    """
+
+    sum: Any
+    norms: Any
+    clip_fraction: Any
+    sensitivity: float
+    count: Any
+
+
+def _check_positive(func_name: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PergradValueError(f"{func_name}: {name} must be a positive number; got {value!r}.")
+    return float(value)
+
+
+def _groups(
+    func_name: str, bk: Backend, grads: Any, max_norm: Any
+) -> tuple[list[int], list[float]]:
+    """Each leaf's group index and each group's bound, from a number or a pytree prefix."""
+    _, leaves, _ = bk.flatten(grads)
+    if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool):
+        return [0] * len(leaves), [_check_positive(func_name, "max_norm", max_norm)]
+    _, bounds, bounds_def = bk.flatten(max_norm)
+    ids = bk.broadcast_prefix(bk.unflatten(bounds_def, list(range(len(bounds)))), grads)
+    if ids is None or not bounds:
+        raise PergradValueError(
+            f"{func_name}: max_norm must be a positive number (flat clipping) or a pytree "
+            f"prefix of the gradients with one positive bound per group (per-layer "
+            f"clipping); got {max_norm!r}, which does not match the gradients' structure."
+        )
+    return ids, [_check_positive(func_name, "each max_norm bound", b) for b in bounds]
+
+
+def _factors(norms: Any, bound: float) -> Any:
+    """min(1, bound / norm), written so that a zero norm gives 1 without a division by zero."""
+    return bound / norms.clip(min=bound)
+
+
+def _group_norms(flat: list[Any], ids: list[int], num_groups: int) -> list[Any]:
+    squared = [(leaf**2).sum(1) for leaf in flat]
+    return [
+        sum(s for s, g in zip(squared, ids) if g == group) ** 0.5 for group in range(num_groups)
+    ]
+
+
+def clip(grads: Any, max_norm: Any) -> Any:
+    """Per-example gradients scaled so each example's norm is at most ``max_norm``.
+
+    Args:
+      grads: per-example gradients, leaves ``(B, *param_shape)``, JAX or torch.
+      max_norm: a positive number (flat), or a pytree prefix of ``grads`` with a bound per group
+        (per-layer: each group's norm is at most its bound).
+
+    Returns:
+      A new pytree like ``grads``. This keeps a clipped copy of every per-example gradient;
+      for DP-SGD, :func:`clipped_sum` gives the sum without it.
+    """
+    bk, _, flat, treedef, batch_size = _flat_leaves("clip", grads)
+    ids, bounds = _groups("clip", bk, grads, max_norm)
+    factors = [_factors(n, b) for n, b in zip(_group_norms(flat, ids, len(bounds)), bounds)]
+    _, leaves, _ = bk.flatten(grads)
+    clipped = [
+        (f_leaf * factors[g].reshape(batch_size, *([1] * (len(bk.shape(f_leaf)) - 1))))
+        for f_leaf, g in zip(leaves, ids)
+    ]
+    return bk.unflatten(treedef, clipped)
+
+
+def clipped_sum(grads: Any, max_norm: Any, mask: Any = None) -> ClippedSum:
+    """Sum over the batch of per-example gradients clipped to ``max_norm``.
+
+    The sum is taken as a weighted contraction (``factors @ leaf``), so neither a clipped copy
+    of the per-example gradients nor a second B x P array is made.
+
+    Args:
+      grads: per-example gradients, leaves ``(B, *param_shape)``.
+      max_norm: a positive number, or a pytree prefix of ``grads`` with one bound per group.
+      mask: optional ``(B,)`` booleans or 0/1, False for padding examples (a Poisson batch
+        padded to a fixed size for ``jax.jit``); padding contributes nothing.
+
+    Returns:
+      A :class:`ClippedSum`.
+    """
+    bk, _, flat, treedef, batch_size = _flat_leaves("clipped_sum", grads)
+    ids, bounds = _groups("clipped_sum", bk, grads, max_norm)
+    group_norms = _group_norms(flat, ids, len(bounds))
+    factors = [_factors(n, b) for n, b in zip(group_norms, bounds)]
+    real = factors[0] * 0 + 1.0 if mask is None else _check_mask(bk, mask, batch_size)
+    weights = [f * real for f in factors]
+    _, leaves, _ = bk.flatten(grads)
+    summed = [
+        (weights[g] @ f_leaf).reshape(bk.shape(leaf)[1:])
+        for f_leaf, leaf, g in zip(flat, leaves, ids)
+    ]
+    clipped_any = sum((f < 1) * 1.0 for f in factors).clip(max=1.0) * real
+    count = real.sum()
+    return ClippedSum(
+        sum=bk.unflatten(treedef, summed),
+        norms=group_norms[0] if len(bounds) == 1 else group_norms,
+        clip_fraction=clipped_any.sum() / count.clip(min=1.0),
+        sensitivity=sum(b * b for b in bounds) ** 0.5,
+        count=count,
+    )
+
+
+def _check_mask(bk: Backend, mask: Any, batch_size: int) -> Any:
+    if not bk.is_array(mask) or bk.shape(mask) != (batch_size,):
+        shape = bk.shape(mask) if bk.is_array(mask) else type(mask).__name__
+        raise PergradValueError(
+            f"clipped_sum: mask must be a ({batch_size},) array of the gradients' framework "
+            f"(True for real examples, False for padding); got {shape}."
+        )
+    return mask * 1.0
+
+
+def add_noise(summed: Any, std: float, rng: Any) -> Any:
+    """``summed`` plus independent Gaussian noise of standard deviation ``std`` per entry.
+
+    Args:
+      summed: a pytree of arrays (e.g. :attr:`ClippedSum.sum`).
+      std: the noise standard deviation, ``noise_multiplier * sensitivity`` for DP-SGD.
+      rng: a JAX PRNG key, or a ``torch.Generator`` (None: torch's global generator). For real
+        privacy, seed it from a secure source: ``torch.Generator().manual_seed(
+        secrets.randbits(63))`` / ``jax.random.key(secrets.randbits(63))``.
+    """
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
+        raise PergradValueError(f"add_noise: std must be a number >= 0; got {std!r}.")
+    bk = backend_of(summed, "add_noise", "summed")
+    _, leaves, treedef = bk.flatten(summed)
+    keys = bk.split_key(rng, len(leaves))
+    noisy = [leaf + std * bk.standard_normal(key, leaf) for leaf, key in zip(leaves, keys)]
+    return bk.unflatten(treedef, noisy)
+
+
+def private_mean(
+    grads: Any,
+    max_norm: Any,
+    noise_multiplier: float,
+    rng: Any,
+    expected_batch_size: float | None = None,
+    mask: Any = None,
+) -> tuple[Any, ClippedSum]:
+    """The DP-SGD gradient: clip each example, sum, add noise, divide by the batch size.
+
+    Args:
+      grads: per-example gradients, leaves ``(B, *param_shape)``.
+      max_norm: clipping bound, a number or a pytree prefix (per-layer).
+      noise_multiplier: noise std as a multiple of the sensitivity (``>= 0``).
+      rng: JAX key or ``torch.Generator`` (see :func:`add_noise`).
+      expected_batch_size: divide by this (``sample_rate * dataset size`` under Poisson
+        sampling, which the accounting assumes: dividing by the actual size would leak it).
+        None divides by the number of real examples, as a fixed-size batch does.
+      mask: ``(B,)`` real-example mask for padded batches.
+
+    Returns:
+      ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
+      and the clipping statistics.
+    """
+    if (
+        isinstance(noise_multiplier, bool)
+        or not isinstance(noise_multiplier, (int, float))
+        or noise_multiplier < 0
+    ):
+        raise PergradValueError(
+            f"private_mean: noise_multiplier must be a number >= 0; got {noise_multiplier!r}."
+        )
+    if expected_batch_size is not None:
+        _check_positive("private_mean", "expected_batch_size", expected_batch_size)
+    clipped = clipped_sum(grads, max_norm, mask=mask)
+    noisy = add_noise(clipped.sum, noise_multiplier * clipped.sensitivity, rng)
+    bk = backend_of(noisy, "private_mean", "grads")
+    if expected_batch_size is None:
+        denominator = clipped.count.clip(min=1.0)
+    else:
+        denominator = float(expected_batch_size)
+    _, leaves, treedef = bk.flatten(noisy)
+    return bk.unflatten(treedef, [leaf / denominator for leaf in leaves]), clipped

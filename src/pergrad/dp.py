@@ -1,0 +1,43 @@
+"""Differential privacy: per-example clipping, Gaussian noise, DP-SGD optimizers, accounting.
+
+    # JAX / optax
+    tx = optax.chain(pergrad.dp.optax_aggregate(max_norm=1.0, noise_multiplier=1.1, key=key,
+                                                expected_batch_size=256), optax.adam(1e-3))
+    # PyTorch
+    opt = pergrad.dp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                 F.cross_entropy, max_norm=1.0, noise_multiplier=1.1,
+                                 expected_batch_size=256)
+
+The framework-free pieces (``clip``, ``clipped_sum``, ``add_noise``, ``private_mean``) take
+per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need JAX and optax,
+``DPOptimizer`` needs PyTorch; they are imported when first used.
+"""
+
+from typing import Any
+
+from pergrad._src.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+
+_LAZY = {
+    "optax_aggregate": "pergrad._src.dp_optax",
+    "dpsgd": "pergrad._src.dp_optax",
+    "PrivateAggregateState": "pergrad._src.dp_optax",
+    "DPOptimizer": "pergrad._src.dp_torch",
+    "DPStep": "pergrad._src.dp_torch",
+}
+
+__all__ = [
+    "ClippedSum",
+    "add_noise",
+    "clip",
+    "clipped_sum",
+    "private_mean",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pergrad.dp' has no attribute {name!r}")
