@@ -43,3 +43,23 @@ def test_find_mislabeled_beats_the_random_baseline(tmp_path):
         precision, random_precision = float(row[4]), float(row[6])
         assert precision > 5 * random_precision
     assert (tmp_path / "mislabeled_norms.png").stat().st_size > 10_000
+
+
+def test_dp_sgd_digits_quick_run_reports_the_target_epsilons():
+    pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
+    pytest.importorskip("dp_accounting", reason="the example calibrates noise with dp-accounting")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "dp_sgd_digits.py"), "--quick", "--seed", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]
+    by_target = {row[0].strip(): [cell.strip() for cell in row[1:]] for row in rows[2:]}
+    assert set(by_target) == {"1", "3", "8", "non-private"}
+    for target in ("1", "3", "8"):
+        spent = float(by_target[target][1])
+        assert float(target) * 0.99 <= spent <= float(target) + 1e-6
+    jax_accuracy, torch_accuracy = (float(v) for v in by_target["non-private"][2:])
+    assert jax_accuracy > 0.5 and torch_accuracy > 0.5  # ten classes: chance is 0.1

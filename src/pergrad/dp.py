@@ -8,6 +8,11 @@
                                  F.cross_entropy, max_norm=1.0, noise_multiplier=1.1,
                                  expected_batch_size=256)
 
+Privacy is accounted through Google's ``dp-accounting`` (the ``dp`` extra): ``epsilon``,
+``noise_multiplier_for`` and the ``Accountant`` that counts training steps. The accounting
+assumes Poisson sampling: ``poisson_batches`` (numpy indices, with ``pad_batch`` for a fixed
+shape under ``jax.jit``) and ``PoissonBatchSampler`` (a torch ``batch_sampler``).
+
 The framework-free pieces (``clip``, ``clipped_sum``, ``add_noise``, ``private_mean``) take
 per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need JAX and optax,
 ``DPOptimizer`` needs PyTorch; they are imported when first used.
@@ -15,7 +20,9 @@ per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need 
 
 from typing import Any
 
+from pergrad._src.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.sampling import max_batch_size_for, pad_batch, poisson_batches
 
 _LAZY = {
     "optax_aggregate": "pergrad._src.dp_optax",
@@ -23,10 +30,18 @@ _LAZY = {
     "PrivateAggregateState": "pergrad._src.dp_optax",
     "DPOptimizer": "pergrad._src.dp_torch",
     "DPStep": "pergrad._src.dp_torch",
+    "PoissonBatchSampler": "pergrad._src.torch_sampling",
+    "collate_with_empty_batches": "pergrad._src.torch_sampling",
 }
 
 __all__ = [
+    "Accountant",
     "ClippedSum",
+    "epsilon",
+    "max_batch_size_for",
+    "noise_multiplier_for",
+    "pad_batch",
+    "poisson_batches",
     "add_noise",
     "clip",
     "clipped_sum",

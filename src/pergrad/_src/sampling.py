@@ -1,0 +1,225 @@
+"""Poisson sampling of batches: the sampling that DP-SGD's privacy accounting assumes.
+
+    for indices in poisson_batches(num_examples=60000, sample_rate=256 / 60000, steps=1000):
+        x, y = X[indices], Y[indices]            # a batch of about 256 examples, maybe 0
+
+Each example joins each batch independently with probability ``sample_rate``, so batch sizes
+vary (Binomial(num_examples, sample_rate)) and a batch may be empty. Under ``jax.jit`` a new
+batch size means a new compilation; :func:`pad_batch` pads every batch to one size, with a mask
+saying which rows are real, and :func:`max_batch_size_for` picks that size.
+
+For PyTorch, ``PoissonBatchSampler`` (in this module's namespace, loaded with torch on first
+use) plugs into ``torch.utils.data.DataLoader(batch_sampler=...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+# sample_rate and steps mean the same here as in the accounting, and are checked the same way.
+from pergrad._src.accounting import check_count, check_real, check_sample_rate
+from pergrad._src.errors import PergradTypeError, PergradValueError
+
+# The torch-backed names live in torch_sampling.py and are loaded by __getattr__ below, so that
+# importing this module does not import torch.
+_TORCH_NAMES = ("PoissonBatchSampler", "collate_with_empty_batches")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from pergrad._src import torch_sampling
+
+        return getattr(torch_sampling, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def poisson_batches(
+    num_examples: int, sample_rate: float, steps: int, seed: int | None = None
+) -> Iterator[np.ndarray]:
+    """Yields ``steps`` Poisson-sampled batches of example indices.
+
+    Example::
+
+        for indices in poisson_batches(len(X), sample_rate=256 / len(X), steps=1000):
+            grads = per_example(params, X[indices], Y[indices])   # indices may be empty
+
+    In every batch each example is included independently with probability ``sample_rate``:
+    the batch size is Binomial(num_examples, sample_rate), mean ``num_examples * sample_rate``,
+    and a batch can be empty. Empty batches are yielded too, never skipped: the privacy
+    accountant counts every step. Each step draws the size from the binomial, then a uniform
+    subset of that size (the same distribution as a coin per example): about ``O(batch size)``
+    for small sample rates, at most ``O(num_examples)``.
+
+    Args:
+      num_examples: dataset size ``N``, an int ``>= 1``.
+      sample_rate: inclusion probability, in ``(0, 1]``.
+      steps: number of batches, an int ``>= 0``.
+      seed: an int seed for numpy's ``Generator`` (reproducible batches, for tests and
+        debugging), or ``None`` (default) for a fresh 128-bit seed from the operating system's
+        secure source (``secrets.randbits(128)``). For a real privacy guarantee the sampling
+        must be unpredictable to an adversary: do not use a fixed or guessable seed there.
+        (numpy's PCG64 is a statistical generator, not a cryptographic one: a secure seed makes
+        its batches unpredictable in practice, without a cryptographic guarantee.)
+
+    Yields:
+      ``steps`` arrays of indices, each 1-D ``int64`` of shape ``(batch_size,)``, sorted,
+      distinct, in ``[0, num_examples)``.
+    """
+    fn = "poisson_batches"
+    num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
+    sample_rate = check_sample_rate(fn, sample_rate)
+    steps = check_count(fn, "steps", steps, minimum=0)
+    if seed is None:
+        seed = secrets.randbits(128)
+    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise PergradTypeError(
+            f"{fn}: seed must be an int or None (a secure random seed), got "
+            f"{type(seed).__name__} {seed!r}."
+        )
+    return _poisson_batches(num_examples, sample_rate, steps, np.random.default_rng(int(seed)))
+
+
+def _poisson_batches(
+    num_examples: int, sample_rate: float, steps: int, rng: np.random.Generator
+) -> Iterator[np.ndarray]:
+    # A generator of its own, so that poisson_batches validates its arguments when called.
+    for _ in range(steps):
+        batch_size = int(rng.binomial(num_examples, sample_rate))
+        indices = rng.choice(num_examples, size=batch_size, replace=False)
+        yield np.sort(indices).astype(np.int64, copy=False)
+
+
+def pad_batch(indices: Any, max_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pads a batch of indices to a fixed size, so that ``jax.jit`` compiles once.
+
+    Example::
+
+        padded, mask = pad_batch(indices, max_batch_size=320)     # both shape (320,)
+        grads = per_example(params, X[padded], Y[padded])           # rows where ~mask are
+        # copies of example 0: give them zero weight, e.g. clip factors * mask, before summing
+
+    The padded entries point at example 0 (a valid index, so gathering works) and ``mask`` is
+    ``False`` there. Never truncate a batch that is too large instead: dropping examples
+    changes the sampling, and the privacy analysis no longer applies.
+
+    Args:
+      indices: 1-D integer indices of one batch, shape ``(batch_size,)`` (a numpy array,
+        list or anything ``np.asarray`` accepts), possibly empty.
+      max_batch_size: the fixed size ``M >= batch_size``; choose it with
+        :func:`max_batch_size_for`.
+
+    Returns:
+      ``(padded_indices, mask)``: ``int64`` of shape ``(M,)`` whose first ``batch_size``
+      entries are ``indices``, and ``bool`` of shape ``(M,)``, ``True`` on those entries.
+
+    Raises:
+      ValueError: the batch is larger than ``max_batch_size`` (the message suggests a size),
+        or ``indices`` is not 1-D.
+      TypeError: ``indices`` is not integer, ``max_batch_size`` not an int.
+    """
+    fn = "pad_batch"
+    max_batch_size = check_count(fn, "max_batch_size", max_batch_size, minimum=0)
+    indices = np.asarray(indices)
+    if indices.ndim != 1:
+        raise PergradValueError(
+            f"{fn}: indices must be 1-D (one batch of example indices), got shape {indices.shape}."
+        )
+    if indices.size == 0:
+        indices = indices.astype(np.int64)
+    elif indices.dtype.kind not in "iu":
+        raise PergradTypeError(f"{fn}: indices must be integers, got dtype {indices.dtype}.")
+    batch_size = indices.shape[0]
+    if batch_size > max_batch_size:
+        raise PergradValueError(
+            f"{fn}: the batch has {batch_size} examples, more than max_batch_size="
+            f"{max_batch_size}. Poisson batch sizes vary: pick max_batch_size with "
+            "max_batch_size_for(num_examples, sample_rate, overflow_probability) (about the "
+            "expected size plus a few standard deviations). Do not drop the extra examples: "
+            "the privacy analysis assumes the whole batch is used."
+        )
+    padded = np.zeros(max_batch_size, dtype=np.int64)
+    padded[:batch_size] = indices
+    mask = np.zeros(max_batch_size, dtype=bool)
+    mask[:batch_size] = True
+    return padded, mask
+
+
+def max_batch_size_for(
+    num_examples: int, sample_rate: float, overflow_probability: float = 1e-6
+) -> int:
+    """The smallest size ``M`` with P(Poisson batch size > M) <= ``overflow_probability``.
+
+    Example::
+
+        max_batch_size_for(60000, 256 / 60000)                 # 335: mean 256, std 16
+        max_batch_size_for(60000, 256 / 60000, 1e-6 / 14062)   # 365: no batch of a
+        # 14062-step run overflows, with probability at least 1 - 1e-6
+
+    The batch size is Binomial(num_examples, sample_rate); ``M`` comes from its exact upper
+    tail, summed in log space over a window around the mean. The window's edges are set by
+    Bernstein's inequality so that the mass outside it is below ``overflow_probability *
+    1e-6``, and that mass is counted as overflow, so the bound holds without approximation.
+    The probability is per batch: for ``T`` batches the chance that any overflows is at most
+    ``T * overflow_probability`` (union bound), so pass ``overflow_probability / T`` to cover a
+    whole run. Costs ``O(std)`` arithmetic: milliseconds.
+
+    Args:
+      num_examples: dataset size, an int ``>= 1``.
+      sample_rate: inclusion probability, in ``(0, 1]``.
+      overflow_probability: allowed chance that one batch exceeds ``M``, in ``(0, 1)``.
+
+    Returns:
+      ``M``, an int in ``[0, num_examples]``.
+    """
+    fn = "max_batch_size_for"
+    num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
+    sample_rate = check_sample_rate(fn, sample_rate)
+    overflow_probability = check_real(fn, "overflow_probability", overflow_probability)
+    if not 0.0 < overflow_probability < 1.0:
+        raise PergradValueError(
+            f"{fn}: overflow_probability must be in (0, 1), got {overflow_probability!r}."
+        )
+    if sample_rate == 1.0:
+        return num_examples
+    low, high = _bernstein_window(num_examples, sample_rate, overflow_probability * 1e-6)
+    sizes = np.arange(low, high + 1)
+    pmf = np.exp(_binomial_log_pmf(num_examples, sample_rate, sizes))
+    # upper_tail[i] = P(size > sizes[i]) = mass in (sizes[i], high] + mass above the window.
+    mass_above_window = overflow_probability * 1e-6 if high < num_examples else 0.0
+    upper_tail = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]]) + mass_above_window
+    within = np.flatnonzero(upper_tail <= overflow_probability)
+    return int(sizes[within[0]])
+
+
+def _bernstein_window(num_examples: int, sample_rate: float, outside: float) -> tuple[int, int]:
+    """Sizes ``[low, high]`` such that each tail beyond them has mass <= ``outside``.
+
+    Bernstein: P(|X - mean| >= t) <= exp(-t^2 / (2 (var + t / 3))) for a sum of Bernoulli
+    variables; solve exp(...) = outside for t.
+    """
+    mean = num_examples * sample_rate
+    variance = mean * (1.0 - sample_rate)
+    log_term = math.log(1.0 / outside)
+    t = log_term / 3.0 + math.sqrt(log_term**2 / 9.0 + 2.0 * log_term * variance)
+    return max(0, math.floor(mean - t)), min(num_examples, math.ceil(mean + t))
+
+
+def _binomial_log_pmf(num_examples: int, sample_rate: float, sizes: np.ndarray) -> np.ndarray:
+    # log pmf at sizes[0] from log-gamma, then the ratios pmf(k+1) / pmf(k) accumulated.
+    first = int(sizes[0])
+    log_first = (
+        math.lgamma(num_examples + 1)
+        - math.lgamma(first + 1)
+        - math.lgamma(num_examples - first + 1)
+        + first * math.log(sample_rate)
+        + (num_examples - first) * math.log1p(-sample_rate)
+    )
+    k = sizes[:-1].astype(np.float64)
+    log_ratios = np.log((num_examples - k) / (k + 1)) + math.log(sample_rate / (1 - sample_rate))
+    return log_first + np.concatenate([[0.0], np.cumsum(log_ratios)])

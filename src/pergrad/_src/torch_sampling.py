@@ -1,0 +1,121 @@
+"""Poisson sampling for PyTorch's DataLoader (imports torch; loaded on first use).
+
+loader = torch.utils.data.DataLoader(
+    dataset,
+    batch_sampler=PoissonBatchSampler(len(dataset), sample_rate=256 / len(dataset), steps=1000),
+    collate_fn=collate_with_empty_batches(dataset),
+)
+for x, y in loader:          # x: (batch_size, ...), batch_size varies and may be 0
+    ...
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+from torch.utils.data.dataloader import default_collate
+
+from pergrad._src.accounting import check_count, check_sample_rate
+from pergrad._src.errors import PergradTypeError
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields ``steps`` Poisson-sampled batches of indices, for ``DataLoader(batch_sampler=)``.
+
+    In every batch each of the ``num_examples`` examples is included independently with
+    probability ``sample_rate``, as DP-SGD's privacy accounting assumes (the same sampling as
+    :func:`poisson_batches`). Batch sizes vary and a batch may be empty; empty batches are
+    yielded as ``[]``, not skipped, since the accountant counts every step. PyTorch's default
+    collate cannot stack an empty batch: pass ``collate_fn=collate_with_empty_batches(dataset)``.
+
+    ``len(sampler) == steps``. Iterating again draws new batches (the generator moves on).
+    Each step draws ``num_examples`` uniform numbers: ``O(num_examples)``.
+
+    Args:
+      num_examples: dataset size, an int ``>= 1``.
+      sample_rate: inclusion probability, in ``(0, 1]``.
+      steps: batches per pass over the sampler, an int ``>= 0``.
+      generator: a ``torch.Generator`` (seed it for reproducible batches in tests), or ``None``
+        (default) for one seeded from the operating system's secure source
+        (``secrets.randbits(64)``). For a real privacy guarantee the sampling must be
+        unpredictable to an adversary: do not use a fixed or guessable seed there.
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        sample_rate: float,
+        steps: int,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        fn = "PoissonBatchSampler"
+        self.num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
+        self.sample_rate = check_sample_rate(fn, sample_rate)
+        self.steps = check_count(fn, "steps", steps, minimum=0)
+        if generator is None:
+            generator = torch.Generator().manual_seed(secrets.randbits(64))
+        elif not isinstance(generator, torch.Generator):
+            raise PergradTypeError(
+                f"{fn}: generator must be a torch.Generator or None (securely seeded), got "
+                f"{type(generator).__name__}."
+            )
+        self.generator = generator
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            draws = torch.rand(self.num_examples, generator=self.generator)
+            yield torch.nonzero(draws < self.sample_rate).flatten().tolist()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __repr__(self) -> str:
+        return (
+            f"PoissonBatchSampler(num_examples={self.num_examples}, "
+            f"sample_rate={self.sample_rate:g}, steps={self.steps})"
+        )
+
+
+def collate_with_empty_batches(
+    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> Callable[[list[Any]], Any]:
+    """A DataLoader ``collate_fn`` that also turns an empty batch into empty tensors.
+
+    Non-empty batches go to ``collate_fn`` (default: PyTorch's ``default_collate``). An empty
+    batch is collated as ``[dataset[0]]`` and every tensor in the result cut to length 0 along
+    dim 0, so it keeps the structure, dtypes and trailing shapes of a real batch: e.g.
+    ``(x, y)`` with ``x`` of shape ``(0, 1, 28, 28)`` and ``y`` of shape ``(0,)``.
+    pergrad's per-example gradients accept such batches (``B == 0``).
+
+    Args:
+      dataset: the DataLoader's dataset (indexable; ``dataset[0]`` is read for empty batches).
+      collate_fn: the collate function for non-empty batches, or ``None`` for
+        ``default_collate``.
+    """
+    collate = default_collate if collate_fn is None else collate_fn
+
+    def collate_allowing_empty(batch: list[Any]) -> Any:
+        if len(batch) > 0:
+            return collate(batch)
+        return _empty_like(collate([dataset[0]]))
+
+    return collate_allowing_empty
+
+
+def _empty_like(collated: Any) -> Any:
+    """Cuts a collated batch of one example to zero examples, keeping its structure."""
+    if isinstance(collated, torch.Tensor):
+        return collated[:0]
+    if isinstance(collated, Mapping):
+        return type(collated)({key: _empty_like(value) for key, value in collated.items()})
+    if isinstance(collated, (list, tuple)):
+        if all(isinstance(item, (str, bytes)) for item in collated):
+            return type(collated)()  # one entry per example, e.g. collated strings
+        items = [_empty_like(item) for item in collated]
+        return type(collated)(*items) if hasattr(collated, "_fields") else type(collated)(items)
+    return collated
