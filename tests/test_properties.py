@@ -110,7 +110,8 @@ def test_chunked_equals_unchunked_on_both_backends(shape, chunk_size):
     for loss, args in ((jax_loss, jax_args), (torch_loss, torch_args)):
         whole = pergrad.per_example_grads(loss)(*args)
         chunked = pergrad.per_example_grads(loss, chunk_size=chunk_size)(*args)
-        assert_trees_close(to_numpy(chunked), to_numpy(whole), rtol=1e-6, atol=1e-6)
+        # Chunks run smaller matmuls, whose float32 sums round differently: ~1e-5 relative.
+        assert_trees_close(to_numpy(chunked), to_numpy(whole), rtol=1e-4, atol=1e-5)
 
 
 @SETTINGS
