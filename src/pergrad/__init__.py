@@ -9,7 +9,7 @@ a call needs them, so ``import pergrad`` imports neither JAX nor PyTorch.
 
 from typing import Any
 
-from pergrad import dp, norms, outliers, testing
+from pergrad import dp, influence, norms, outliers, testing
 from pergrad._src.api import per_example_grads, value_and_per_example_grads
 from pergrad._src.errors import FallbackWarning
 
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FallbackWarning",
     "dp",
+    "influence",
     "module_loss",
     "norms",
     "outliers",

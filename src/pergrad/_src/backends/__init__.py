@@ -117,6 +117,27 @@ class Backend(Protocol):
     def scalar_loss_problem(self, loss: Any) -> str | None:
         """None if ``loss`` is a real scalar array, else a description of what it is."""
 
+    # Second-order pieces and linear algebra, used by ``pergrad.influence``.
+
+    def hvp(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Hessian-vector products of a scalar ``fn(x, *args)`` with ``x`` a 1-D array.
+
+        Returns ``hvp(x, tangents, *args)``: for ``tangents`` of shape ``(k, P)`` the ``(k, P)``
+        rows ``H @ tangents[j]``, with ``H`` the Hessian of ``fn`` at ``x``. Made once and
+        called many times (by iterative solvers), so a backend may compile it.
+        """
+
+    def eye(self, n: int, like: Any) -> Any:
+        """The ``(n, n)`` identity with the dtype and device of ``like``."""
+
+    def eigh(self, matrix: Any) -> tuple[Any, Any]:
+        """Eigenvalues (ascending) and eigenvectors (columns) of a symmetric matrix."""
+
+    def concatenate(self, xs: Sequence[Any], axis: int) -> Any: ...
+
+    def stop_gradient(self, x: Any) -> Any:
+        """``x`` cut from any autodiff graph it belongs to (torch: ``detach``)."""
+
 
 def available_backend_names() -> tuple[str, ...]:
     return tuple(_BACKEND_MODULES)

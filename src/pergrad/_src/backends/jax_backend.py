@@ -124,6 +124,28 @@ class JaxBackend:
             return f"a scalar of dtype {loss.dtype}"
         return None
 
+    def hvp(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # Forward-over-reverse; jitted because iterative solvers call it hundreds of times.
+        def hvp_rows(x: Any, tangents: Any, *args: Any) -> Any:
+            def one(tangent: Any) -> Any:
+                return jax.jvp(lambda y: jax.grad(fn)(y, *args), (x,), (tangent,))[1]
+
+            return jax.vmap(one)(tangents)
+
+        return jax.jit(hvp_rows)
+
+    def eye(self, n: int, like: Any) -> Any:
+        return jnp.eye(n, dtype=jnp.result_type(like))
+
+    def eigh(self, matrix: Any) -> tuple[Any, Any]:
+        return jnp.linalg.eigh(matrix)
+
+    def concatenate(self, xs: Sequence[Any], axis: int) -> Any:
+        return jnp.concatenate(list(xs), axis=axis)
+
+    def stop_gradient(self, x: Any) -> Any:
+        return jax.lax.stop_gradient(x)
+
 
 def _chunked_vmap(
     fn: Callable[..., Any], in_axes: tuple[Any, ...], chunk_size: int

@@ -155,6 +155,28 @@ class TorchBackend:
             return f"a scalar of dtype {self.dtype_name(loss)}"
         return None
 
+    def hvp(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # Reverse-over-reverse (the vjp of the gradient): one forward and backward, then a
+        # batched second backward for all tangents. Double backward covers more torch ops than
+        # forward-mode AD does; the Hessian is symmetric, so the vjp is the Hessian product.
+        def hvp_rows(x: Any, tangents: Any, *args: Any) -> Any:
+            _, vjp_fn = torch.func.vjp(lambda y: torch.func.grad(fn)(y, *args), x)
+            return torch.func.vmap(lambda tangent: vjp_fn(tangent)[0])(tangents)
+
+        return hvp_rows
+
+    def eye(self, n: int, like: Any) -> Any:
+        return torch.eye(n, dtype=like.dtype, device=like.device)
+
+    def eigh(self, matrix: Any) -> tuple[Any, Any]:
+        return torch.linalg.eigh(matrix)
+
+    def concatenate(self, xs: Sequence[Any], axis: int) -> Any:
+        return torch.cat(list(xs), dim=axis)
+
+    def stop_gradient(self, x: Any) -> Any:
+        return x.detach()
+
 
 def _detach(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)

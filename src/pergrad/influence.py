@@ -1,0 +1,40 @@
+"""Influence and data attribution: which training examples help or hurt which test examples.
+
+    scores = pergrad.influence.influence_function(
+        loss, params, (X_train, Y_train), (X_test, Y_test), damping=1e-3, solver="cg")
+    scores.shape   # (n_train, n_test); positive: train example i helps test example j
+
+``loss`` is the loss of ONE example, as for :func:`pergrad.per_example_grads`. Every score has
+the same sign convention: positive means the training example lowers the test example's loss.
+For influence functions, removing training example ``i`` changes test example ``j``'s loss by
+about ``+scores[i, j] / n_train``.
+
+For large models, :func:`project` maps per-example gradients to a small dimension first
+(seeded random projection, the same in both frameworks); :func:`grad_dot` and
+:func:`grad_cosine` take the projected ``(n, k)`` arrays as they are.
+"""
+
+from pergrad._src.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence import (
+    grad_cosine,
+    grad_dot,
+    influence_function,
+    inverse_hvp,
+    self_influence,
+    tracin,
+)
+from pergrad._src.projection import project
+
+__all__ = [
+    "CG",
+    "Exact",
+    "InfluenceWarning",
+    "LiSSA",
+    "grad_cosine",
+    "grad_dot",
+    "influence_function",
+    "inverse_hvp",
+    "project",
+    "self_influence",
+    "tracin",
+]
