@@ -63,3 +63,22 @@ def test_dp_sgd_digits_quick_run_reports_the_target_epsilons():
         assert float(target) * 0.99 <= spent <= float(target) + 1e-6
     jax_accuracy, torch_accuracy = (float(v) for v in by_target["non-private"][2:])
     assert jax_accuracy > 0.5 and torch_accuracy > 0.5  # ten classes: chance is 0.1
+
+
+def test_influence_digits_draws_helpful_and_harmful_training_digits(tmp_path):
+    pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
+    pytest.importorskip("matplotlib", reason="the example saves an image grid")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "influence_digits.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("test #")]
+    assert len(rows) == 4
+    for row in rows:  # the most helpful digits mostly carry the test digit's true label
+        true_label = row.split("true ")[1].split(",")[0]
+        helpful = row.split("most helpful training labels [")[1].split("]")[0].split(", ")
+        assert helpful.count(true_label) >= 3
+    assert (tmp_path / "influence_digits.png").stat().st_size > 10_000
