@@ -11,7 +11,8 @@ about ``+scores[i, j] / n_train``.
 
 For large models, :func:`project` maps per-example gradients to a small dimension first
 (seeded random projection, the same in both frameworks); :func:`grad_dot` and
-:func:`grad_cosine` take the projected ``(n, k)`` arrays as they are.
+:func:`grad_cosine` take the projected ``(n, k)`` arrays as they are. :func:`top_k` streams over a training set
+given as batches and keeps each test example's top-k proponents and opponents.
 """
 
 from pergrad._src.ihvp import CG, Exact, InfluenceWarning, LiSSA
@@ -24,17 +25,20 @@ from pergrad._src.influence import (
     tracin,
 )
 from pergrad._src.projection import project
+from pergrad._src.streaming import TopK, top_k
 
 __all__ = [
     "CG",
     "Exact",
     "InfluenceWarning",
     "LiSSA",
+    "TopK",
     "grad_cosine",
     "grad_dot",
     "influence_function",
     "inverse_hvp",
     "project",
     "self_influence",
+    "top_k",
     "tracin",
 ]
