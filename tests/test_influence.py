@@ -487,6 +487,24 @@ def test_projected_dot_products_approximate_the_full_ones(fw):
     assert np.corrcoef(approximate.ravel(), exact.ravel())[0, 1] > 0.95
 
 
+def test_projection_error_shrinks_as_k_grows(fw):
+    """The JL bound: the relative error of projected dot products falls like 1 / sqrt(k)."""
+    grads, flat = projection_grads(fw, count=6)
+    exact = flat @ flat.T
+
+    def mean_error(k):
+        errors = []
+        for seed in range(6):
+            projected = influence.project(grads, k, seed=seed)
+            approximate = fw.to_numpy(influence.grad_dot(projected, projected))
+            errors.append(np.abs(approximate - exact).mean() / np.abs(exact).mean())
+        return float(np.mean(errors))
+
+    small, medium, large = mean_error(25), mean_error(100), mean_error(400)
+    assert large < medium < small
+    assert large < 0.5 * small  # 1 / sqrt(16) = 0.25 expected; 0.5 leaves room for noise
+
+
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
