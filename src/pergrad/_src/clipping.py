@@ -47,6 +47,18 @@ def _check_positive(func_name: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def check_noise_multiplier(func_name: str, noise_multiplier: Any) -> float:
+    if (
+        isinstance(noise_multiplier, bool)
+        or not isinstance(noise_multiplier, (int, float))
+        or noise_multiplier < 0
+    ):
+        raise PergradValueError(
+            f"{func_name}: noise_multiplier must be a number >= 0; got {noise_multiplier!r}."
+        )
+    return float(noise_multiplier)
+
+
 def _groups(
     func_name: str, bk: Backend, grads: Any, max_norm: Any
 ) -> tuple[list[int], list[float]]:
@@ -190,14 +202,7 @@ def private_mean(
       ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
       and the clipping statistics.
     """
-    if (
-        isinstance(noise_multiplier, bool)
-        or not isinstance(noise_multiplier, (int, float))
-        or noise_multiplier < 0
-    ):
-        raise PergradValueError(
-            f"private_mean: noise_multiplier must be a number >= 0; got {noise_multiplier!r}."
-        )
+    check_noise_multiplier("private_mean", noise_multiplier)
     if expected_batch_size is not None:
         _check_positive("private_mean", "expected_batch_size", expected_batch_size)
     clipped = clipped_sum(grads, max_norm, mask=mask)

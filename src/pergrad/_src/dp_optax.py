@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pergrad._src.clipping import _check_positive, private_mean
-from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.clipping import _check_positive, check_noise_multiplier, private_mean
+from pergrad._src.errors import PergradTypeError
 
 
 class PrivateAggregateState(NamedTuple):
@@ -55,14 +55,7 @@ def optax_aggregate(
         raise PergradTypeError(
             f"optax_aggregate: key must be a JAX PRNG key or an int seed; got {type(key).__name__}."
         )
-    if (
-        isinstance(noise_multiplier, bool)
-        or not isinstance(noise_multiplier, (int, float))
-        or noise_multiplier < 0
-    ):
-        raise PergradValueError(
-            f"optax_aggregate: noise_multiplier must be a number >= 0; got {noise_multiplier!r}."
-        )
+    check_noise_multiplier("optax_aggregate", noise_multiplier)
     if expected_batch_size is not None:
         _check_positive("optax_aggregate", "expected_batch_size", expected_batch_size)
     if isinstance(max_norm, (int, float)):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pergrad._src.api import value_and_per_example_grads
-from pergrad._src.clipping import _check_positive, private_mean
-from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.clipping import _check_positive, check_noise_multiplier, private_mean
+from pergrad._src.errors import PergradTypeError
 from pergrad._src.torch_module import module_loss
 
 
@@ -69,14 +69,7 @@ class DPOptimizer:
                 f"{type(optimizer).__name__}."
             )
         _check_positive("DPOptimizer", "max_norm", max_norm)
-        if (
-            isinstance(noise_multiplier, bool)
-            or not isinstance(noise_multiplier, (int, float))
-            or noise_multiplier < 0
-        ):
-            raise PergradValueError(
-                f"DPOptimizer: noise_multiplier must be a number >= 0; got {noise_multiplier!r}."
-            )
+        check_noise_multiplier("DPOptimizer", noise_multiplier)
         if expected_batch_size is not None:
             _check_positive("DPOptimizer", "expected_batch_size", expected_batch_size)
         if generator is not None and not isinstance(generator, torch.Generator):
