@@ -1,0 +1,94 @@
+"""Peak memory of one call of one method, measured in a fresh process.
+
+``measure(workload, method, batch_size)`` runs ``python -m benchmarks.memory ...`` from the
+repository root. The child builds the workload and the method, calls it once (JAX compiles
+then), then, on Linux, resets the process's peak resident set size (``/proc/self/clear_refs``)
+and calls it again: the figure is the peak RSS during that second call minus the RSS just
+before it, so it counts the call's working memory and its result, not the imports, the model,
+the data or JIT compilation. glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so
+that large buffers freed after the first call go back to the OS instead of being reused
+unseen. Where the peak cannot be reset, the figure is ``ru_maxrss`` after the first call minus
+the RSS before it (so it includes compilation); the JSON says which.
+
+On CUDA, torch methods report ``torch.cuda.max_memory_allocated`` over the second call instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(workload: str, method: str, batch_size: int, timeout: float = 300) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    command = [sys.executable, "-m", "benchmarks.memory", workload, method, str(batch_size)]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        return {"peak_mib": None, "how": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _child(workload_name: str, method_name: str, batch_size: int) -> dict:
+    import warnings
+
+    import torch
+
+    from benchmarks.methods import METHODS_BY_NAME, torch_device
+    from benchmarks.workloads import WORKLOADS, build
+
+    warnings.simplefilter("ignore")
+    method = METHODS_BY_NAME[method_name]
+    workload = WORKLOADS[workload_name]
+    call = method.build(workload, *build(workload, batch_size))
+    if torch_device().type == "cuda" and method.framework == "torch":
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = call()
+        peak = torch.cuda.max_memory_allocated() - before
+        del result
+        return {"peak_mib": peak / 2**20, "how": "cuda max_memory_allocated, 2nd call"}
+    if os.path.exists("/proc/self/clear_refs"):
+        call()  # the result is dropped at once
+        gc.collect()
+        if _reset_peak():
+            before = _status_kib("VmRSS")
+            result = call()
+            peak = _status_kib("VmHWM") - before
+            del result
+            return {"peak_mib": peak / 1024, "how": "VmHWM - VmRSS over the 2nd call"}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    call()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    return {"peak_mib": peak / 1024, "how": "ru_maxrss delta over the 1st call"}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]))))

@@ -1,0 +1,191 @@
+"""Machine description, results.json, results.md and the plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from benchmarks.core_overhead import markdown_table
+
+PACKAGES = ("torch", "jax", "jaxlib", "numpy", "opacus", "backpack-for-pytorch", "pergrad")
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return models[0] if models else platform.processor() or "unknown CPU"
+    except OSError:
+        return platform.processor() or "unknown CPU"
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def device_slug() -> str:
+    gpu = gpu_name()
+    return "cpu" if gpu is None else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "missing"
+
+
+def machine_info() -> dict:
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu_name(),
+        "python": platform.python_version(),
+        "versions": {name: package_version(name) for name in PACKAGES},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    header = ["workload", "B", "method", "median ms", "/ floor", "speed-up over loop"]
+    header += ["max abs err vs loop", "peak MiB"]
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append([r["workload"], str(r["batch_size"]), r["method"], "unsupported"])
+            lines[-1] += ["-"] * (len(header) - len(lines[-1]))
+            continue
+        lines.append(
+            [
+                r["workload"],
+                str(r["batch_size"]),
+                r["method"],
+                fmt(r["median_ms"], ".2f"),
+                fmt(r["ratio_to_floor"], ".2f", "x"),
+                fmt(r["speedup_over_loop"], ".1f", "x"),
+                fmt(r["max_abs_err"], ".1e"),
+                fmt(r.get("peak_mib"), ".1f"),
+            ]
+        )
+    return markdown_table(header, lines)
+
+
+def header(results: dict) -> str:
+    m, run = results["machine"], results["run"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    return "\n".join(
+        [
+            "# pergrad benchmarks: against the loop, the floor and the peers",
+            "",
+            f"- machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
+            f"GPU: {m['gpu'] or 'none'}",
+            f"- python {m['python']}; {versions}",
+            f"- date: {m['date']}; load average (1, 5, 15 min): {run['load_average_start']} at "
+            f"the start, {run['load_average_end']} at the end",
+            f"- command: `{run['command']}` ({run['mode']} mode, {run['rounds']} rounds after "
+            f"{run['warmup']} warm-up call(s); {run.get('wall_s', '?')} s)",
+        ]
+    )
+
+
+NOTES = """\
+- median ms: median over the timed rounds. `/ floor`: median of the per-round ratio to the batch
+  gradient of the same framework (torch or JAX). Speed-up over loop: torch loop / method (per-round
+  ratio for torch methods; ratio of medians for JAX methods, timed in a separate block).
+- max abs err vs loop: against the per-example gradients of a Python loop (float32); for norm
+  methods against the loop's per-example norms; for the floors against the loop's mean.
+- peak MiB: peak resident memory increase during one call (after a warm-up call, in a fresh
+  process; it includes the B x P result); see `benchmarks/memory.py`. `-`: not measured.
+- unsupported: the method raised on this model (reason in results.json)."""
+
+
+def markdown(results: dict) -> str:
+    skipped = "".join(f"\n- skipped {s['method']}: {s['reason']}" for s in results["skipped"])
+    unsupported = "".join(
+        f"\n- {r['method']} on {r['workload']}: {r['note']}"
+        for r in results["rows"]
+        if r["status"] != "ok" and r["batch_size"] == min_batch(results["rows"], r["workload"])
+    )
+    return "\n".join(
+        [header(results), "", summary_table(results["rows"]), "", NOTES + skipped + unsupported]
+    )
+
+
+def min_batch(rows: list[dict], workload: str) -> int:
+    return min(r["batch_size"] for r in rows if r["workload"] == workload)
+
+
+def write(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib missing: no plots")
+        return
+    matplotlib.use("Agg")
+    plot_sweep(results["rows"], out / "time_vs_batch_size.png")
+    plot_ratios(results["rows"], out / "ratio_to_floor.png")
+
+
+def ok_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["status"] == "ok"]
+
+
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in ok_rows(rows) if r["workload"] == "sweep"]
+    if not sweep:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method in dict.fromkeys(r["method"] for r in sweep):
+        points = sorted((r["batch_size"], r["median_ms"]) for r in sweep if r["method"] == method)
+        ax.plot(*zip(*points), marker="o", label=method)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median time per call (ms)")
+    ax.set_title("Batch-size sweep (MLP 256-128-10)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ratios(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fixed = [r for r in ok_rows(rows) if r["workload"] != "sweep" and r["kind"] != "batch"]
+    workloads = list(dict.fromkeys(r["workload"] for r in fixed))
+    if not workloads:
+        return
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(8, 2.6 * len(workloads)), squeeze=False)
+    for ax, workload in zip(axes[:, 0], workloads):
+        these = [r for r in fixed if r["workload"] == workload]
+        ratios = [r["ratio_to_floor"] for r in these]
+        bars = ax.barh([r["method"] for r in these], ratios)
+        ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], fontsize=7, padding=2)
+        ax.axvline(1.0, color="black", linewidth=0.8)  # the floor
+        ax.set(xlim=(0, 1.15 * max(ratios)), xlabel="time / batch gradient of the same framework")
+        ax.set_title(f"{workload} (B={these[0]['batch_size']})", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
