@@ -256,3 +256,10 @@ def test_bad_optimizer_arguments():
         dp.DPOptimizer(sgd, model, F.cross_entropy, max_norm=1.0, noise_multiplier=1.0, generator=3)
     with pytest.raises(TypeError, match="key must be a JAX PRNG key or an int seed"):
         dp.optax_aggregate(1.0, 1.0, key="seed")
+
+
+def test_clip_fraction_counts_norms_above_the_bound(fw):
+    """A bound that float32 cannot represent exactly must not mark unclipped examples."""
+    grads = {"w": fw.array(np.array([[0.1], [0.2], [5.0]]))}
+    result = dp.clipped_sum(grads, 3.7778365612)
+    assert float(result.clip_fraction) == pytest.approx(1 / 3)

@@ -4,10 +4,15 @@
     print(pergrad.norms.summarize(norms, threshold=1.0))     # NormSummary(n=64, mean=..., ...)
     pergrad.norms.noise_scale(grads).b_simple                # McCandlish et al. (2018)
 
+``per_example_norms_of(loss, params, X, Y)`` gets the norms straight from a single-example loss
+without materialising per-example gradients (``strategy="auto" | "ghost" | "chunked" |
+"materialize"``; ``choose_strategy`` says which one a call gets and why).
+
 Each function takes per-example gradients from either framework and returns the framework's
 arrays (or plain Python numbers for summaries).
 """
 
+from pergrad._src.ghost.api import StrategyChoice, choose_strategy, per_example_norms_of
 from pergrad._src.norms import (
     NoiseScale,
     NormSummary,
@@ -20,6 +25,9 @@ from pergrad._src.norms import (
 __all__ = [
     "NoiseScale",
     "NormSummary",
+    "StrategyChoice",
+    "choose_strategy",
+    "per_example_norms_of",
     "cosine_to_mean",
     "noise_scale",
     "per_example_norms",

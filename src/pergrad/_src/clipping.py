@@ -138,7 +138,8 @@ def clipped_sum(grads: Any, max_norm: Any, mask: Any = None) -> ClippedSum:
         (weights[g] @ f_leaf).reshape(bk.shape(leaf)[1:])
         for f_leaf, leaf, g in zip(flat, leaves, ids)
     ]
-    clipped_any = sum((f < 1) * 1.0 for f in factors).clip(max=1.0) * real
+    # Compare norms with bounds, not factors with 1: bound / bound can round below 1 in float32.
+    clipped_any = sum((n > b) * 1.0 for n, b in zip(group_norms, bounds)).clip(max=1.0) * real
     count = real.sum()
     return ClippedSum(
         sum=bk.unflatten(treedef, summed),

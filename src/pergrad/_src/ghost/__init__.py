@@ -1,0 +1,79 @@
+"""Per-example gradient norms and clipped sums without materialising per-example gradients.
+
+Storing ``B x P`` per-example gradients is what makes DP-SGD and gradient-norm diagnostics
+expensive, yet most users need only each example's norm, or the sum of the clipped gradients.
+This package computes those directly, with one of three strategies (``api.py`` chooses):
+
+- ``"materialize"``: :func:`pergrad.per_example_grads`, then reduce. The reference.
+- ``"chunked"`` (``strategies.py``, any backend): per-example gradients of a few examples at a
+  time, reduced to squared norms at once; the clipped sum is then ONE batch gradient of the
+  weighted loss ``sum_i c_i * loss_i`` (Lee & Kifer 2021), so only ``chunk_size x P`` numbers
+  are ever live.
+- ``"ghost"`` (``torch_ghost.py``, PyTorch models through :func:`pergrad.module_loss`): one
+  forward pass over the whole batch with hooks that keep each layer's input and output gradient;
+  each layer's per-example norms then follow from those (the "ghost norm" of Goodfellow 2015 and
+  Li et al. 2021) without forming the gradients. The clipped sum is a second backward pass.
+
+This module holds the registry of layer rules for the ghost strategy: one small function per
+layer family (``torch_layers.py``), registered under the layer types it handles, as Opacus's
+``grad_sample`` does. Adding a layer family means writing one function and decorating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# A rule takes the layer and its calls in one forward pass, and returns each of the layer's own
+# parameters' per-example squared gradient norms: {"weight": (B,), "bias": (B,)}.
+SquaredNormsFn = Callable[[Any, list[Any]], dict[str, Any]]
+# Why a particular layer instance cannot use its family's rule (None: it can).
+ProblemFn = Callable[[Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How the ghost strategy handles one family of layers.
+
+    Attributes:
+      name: the family, as reported by :func:`pergrad.norms.choose_strategy` (``"linear"``).
+      squared_norms: ``squared_norms(layer, calls) -> {param_name: (B,)}``, ``calls`` being the
+        layer's :class:`~pergrad._src.ghost.torch_layers.LayerCall` records of one forward pass.
+      problem: ``problem(layer) -> str | None``: why this instance is not covered (an Embedding
+        with ``max_norm``, say), or None.
+    """
+
+    name: str
+    squared_norms: SquaredNormsFn
+    problem: ProblemFn
+
+
+_RULES: dict[type, LayerRule] = {}
+
+
+def _no_problem(layer: Any) -> None:
+    del layer
+
+
+def register(
+    *layer_types: type, name: str | None = None, problem: ProblemFn = _no_problem
+) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
+    """Decorator: register ``squared_norms`` as the ghost rule of ``layer_types``.
+
+    Types are matched exactly, not by subclass: a subclass may override ``forward`` and compute
+    something the rule does not know about.
+    """
+
+    def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
+        rule = LayerRule(name or squared_norms.__name__, squared_norms, problem)
+        for layer_type in layer_types:
+            _RULES[layer_type] = rule
+        return squared_norms
+
+    return decorate
+
+
+def rule_for(layer: Any) -> LayerRule | None:
+    """The rule registered for ``type(layer)``, or None."""
+    return _RULES.get(type(layer))

@@ -1,0 +1,340 @@
+"""``per_example_norms_of``, ``clipped_sum_of`` and ``choose_strategy``: the public entry points.
+
+They take the loss of ONE example and the batch, as :func:`pergrad.per_example_grads` does, and
+return what :func:`pergrad.norms.per_example_norms` and :func:`pergrad.dp.clipped_sum` would
+return on its per-example gradients, without keeping those ``B x P`` numbers. The strategy is
+chosen here (see the package docstring for what each does); ``choose_strategy`` shows the choice.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pergrad._src.api import _Call, _prepare, _rebuild_grads, _Spec, per_example_grads
+from pergrad._src.clipping import ClippedSum, _check_positive, clipped_sum
+from pergrad._src.errors import FallbackWarning, PergradTypeError, PergradValueError
+from pergrad._src.ghost.strategies import Reduction, WeightsFn, chunked, default_chunk_size
+from pergrad._src.norms import per_example_norms
+
+STRATEGIES = ("auto", "materialize", "chunked", "ghost")
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """How a call of :func:`per_example_norms_of` / :func:`clipped_sum_of` will be computed.
+
+    Attributes:
+      strategy: ``"ghost"``, ``"chunked"`` or ``"materialize"`` (never ``"auto"``).
+      reason: why, in words.
+      chunk_size: examples per chunk for ``"chunked"`` (the default is chosen from the number of
+        parameters: ``chunk_size x P`` stays under 2**25 numbers); what was passed for
+        ``"materialize"``; None for ``"ghost"``.
+      layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
+        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter.
+      unsupported: module name -> why the ghost strategy cannot handle it.
+
+    A ghost run can still meet something only visible while running (a layer that does not get
+    the batch on axis 0, an input changed in place); ``"auto"`` then takes the chunked strategy
+    and says so with a :class:`pergrad.FallbackWarning`.
+    """
+
+    strategy: str
+    reason: str
+    chunk_size: int | None = None
+    layers: dict[str, str] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+
+def per_example_norms_of(
+    fn: Callable[..., Any],
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+    per_layer: bool = False,
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+) -> Any:
+    """Each example's gradient norm, without materialising the per-example gradients.
+
+    Args:
+      fn: the loss of ONE example, ``fn(params, x, y, ...) -> scalar`` (as for
+        :func:`pergrad.per_example_grads`); a :func:`pergrad.module_loss` loss for the ghost
+        strategy.
+      *args: the arguments of ``fn``, with the data batched: ``(params, X, Y)``.
+      argnums, in_axes: as for :func:`pergrad.per_example_grads`.
+      per_layer: False for one norm per example; True for one per parameter array, in the
+        structure of the differentiated argument (their squares sum to the global norm squared).
+      strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
+        parameter sits in a layer with a ghost rule, else ``"chunked"``), ``"ghost"``,
+        ``"chunked"``, or ``"materialize"`` (per-example gradients, then their norms).
+      chunk_size: examples per chunk for ``"chunked"`` / ``"materialize"``.
+
+    Returns:
+      ``(B,)`` norms (an array of the framework of ``args``), or with ``per_layer`` a pytree of
+      them; equal to ``pergrad.norms.per_example_norms(pergrad.per_example_grads(fn)(*args))``.
+
+    Example::
+
+        loss = pergrad.module_loss(model, F.cross_entropy)
+        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), X, Y)   # (B,)
+
+    Memory: ``"ghost"`` about that of one batch gradient (plus ``B x T^2`` per sequence layer);
+    ``"chunked"`` that of ``chunk_size`` per-example gradients.
+    """
+    if not isinstance(per_layer, bool):
+        raise PergradTypeError(
+            f"per_example_norms_of: per_layer must be True or False; got {per_layer!r}."
+        )
+    func_name = "per_example_norms_of"
+    spec, call, choice = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
+    if choice.strategy == "materialize":
+        grads = per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
+        return per_example_norms(grads, per_layer=per_layer)
+    reduction = _reduce(spec, call, fn, choice, strategy, None)
+    if per_layer:
+        return _rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
+    return _global_norms(reduction.squared_norms)
+
+
+def clipped_sum_of(
+    fn: Callable[..., Any],
+    *args: Any,
+    max_norm: Any,
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+    mask: Any = None,
+) -> ClippedSum:
+    """The sum of per-example gradients clipped to ``max_norm``, without materialising them.
+
+    Equal to ``pergrad.dp.clipped_sum(pergrad.per_example_grads(fn)(*args), max_norm, mask)``.
+    The norms come as in :func:`per_example_norms_of`; then ``sum_i c_i g_i`` with
+    ``c_i = min(1, max_norm / |g_i|)`` is the gradient of ``sum_i c_i loss_i``: one more batch
+    backward pass (Lee & Kifer 2021).
+
+    Args:
+      fn, *args, argnums, in_axes, strategy, chunk_size: as for :func:`per_example_norms_of`.
+      max_norm: the clipping bound, a positive number. (A pytree of per-group bounds, as
+        :func:`pergrad.dp.clipped_sum` takes, needs ``strategy="materialize"``; ``"auto"``
+        takes it for them.)
+      mask: optional ``(B,)`` booleans or 0/1, False for padding examples, which then
+        contribute nothing.
+
+    Returns:
+      A :class:`pergrad.dp.ClippedSum`: ``sum`` like the differentiated argument (no batch
+      axis), ``norms`` ``(B,)``, ``clip_fraction``, ``sensitivity`` (``max_norm``), ``count``.
+
+    Example::
+
+        loss = pergrad.module_loss(model, F.cross_entropy)
+        clipped = pergrad.dp.clipped_sum_of(loss, loss.params(), X, Y, max_norm=1.0)
+        clipped.sum["fc.weight"]         # (10, 128), the sum of clipped gradients
+    """
+    func_name = "clipped_sum_of"
+    per_group = isinstance(max_norm, (dict, list, tuple))
+    if not per_group:
+        _check_positive(func_name, "max_norm", max_norm)
+    spec, call, choice = _setup(
+        func_name, fn, args, argnums, in_axes, strategy, chunk_size, per_group=per_group
+    )
+    if mask is not None:
+        _check_mask(func_name, call, mask)
+    if choice.strategy == "materialize":
+        grads = per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
+        return clipped_sum(grads, max_norm, mask=mask)
+    bound = float(max_norm)
+
+    def weights_from(squared: list[Any]) -> Any:
+        factors, real = _factors_and_real(_global_norms(squared), bound, mask)
+        return factors * real
+
+    reduction = _reduce(spec, call, fn, choice, strategy, weights_from)
+    norms = _global_norms(reduction.squared_norms)
+    factors, real = _factors_and_real(norms, bound, mask)
+    count = real.sum()
+    # norms > bound, not factors < 1: bound / norm can round to just under 1 for a norm at or
+    # below the bound (float32, a bound not representable in it).
+    clipped = ((norms > bound) * 1.0) * real
+    return ClippedSum(
+        sum=_rebuild_grads(spec, call, reduction.weighted_sums),
+        norms=norms,
+        clip_fraction=clipped.sum() / count.clip(min=1.0),
+        sensitivity=bound,
+        count=count,
+    )
+
+
+def choose_strategy(
+    fn: Callable[..., Any],
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+) -> StrategyChoice:
+    """The :class:`StrategyChoice` that :func:`per_example_norms_of` would make for this call.
+
+    Runs nothing; validates like the real call (a bad ``strategy`` raises the same error).
+
+    Example::
+
+        pergrad.norms.choose_strategy(loss, loss.params(), X, Y)
+        # StrategyChoice(strategy='ghost', reason='every differentiated parameter ...',
+        #                layers={'fc1': 'linear', 'fc2': 'linear'}, ...)
+    """
+    _, _, choice = _setup("choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size)
+    return choice
+
+
+def _setup(
+    func_name: str,
+    fn: Any,
+    args: tuple[Any, ...],
+    argnums: Any,
+    in_axes: Any,
+    strategy: Any,
+    chunk_size: Any,
+    per_group: bool = False,
+) -> tuple[_Spec, _Call, StrategyChoice]:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise PergradValueError(
+            f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
+        )
+    spec = _Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
+    call = _prepare(spec, args)
+    return spec, call, _choose(spec, call, fn, args, strategy, chunk_size, per_group)
+
+
+def _choose(
+    spec: _Spec,
+    call: _Call,
+    fn: Any,
+    args: tuple[Any, ...],
+    strategy: str,
+    chunk_size: int | None,
+    per_group: bool,
+) -> StrategyChoice:
+    name = spec.func_name
+    plan = _ghost_plan(spec, fn, args)
+    unsupported = dict(plan.unsupported) if plan is not None else {}
+    if per_group and strategy in ("ghost", "chunked"):
+        raise PergradValueError(
+            f"{name}: per-group bounds (max_norm as a pytree) need strategy='materialize' or "
+            f"'auto'; strategy={strategy!r} clips each example's whole gradient. Pass one "
+            f"positive number as max_norm."
+        )
+    if strategy == "ghost":
+        _check_ghost_possible(name, fn, plan)
+    if call.batch_size == 0:
+        return StrategyChoice("materialize", "empty batch", chunk_size)
+    if strategy == "materialize" or (strategy == "auto" and per_group):
+        why = "requested" if strategy == "materialize" else "per-group bounds"
+        return StrategyChoice("materialize", why, chunk_size)
+    if strategy == "ghost" or (strategy == "auto" and plan is not None and not unsupported):
+        why = (
+            "requested"
+            if strategy == "ghost"
+            else "every differentiated parameter belongs to a layer with a ghost rule"
+        )
+        return StrategyChoice("ghost", why, None, dict(plan.layers))
+    chunk = chunk_size or default_chunk_size(call)
+    if strategy == "chunked":
+        why = "requested"
+    elif plan is None:
+        why = (
+            f"the ghost strategy needs a PyTorch pergrad.module_loss; fn is a "
+            f"{type(fn).__name__} on {call.backend.name}"
+        )
+    else:
+        why = "layers without a ghost rule: " + "; ".join(
+            f"{layer!r}: {problem}" for layer, problem in unsupported.items()
+        )
+    layers = dict(plan.layers) if plan is not None else {}
+    return StrategyChoice("chunked", why, chunk, layers, unsupported)
+
+
+def _ghost_plan(spec: _Spec, fn: Any, args: tuple[Any, ...]) -> Any:
+    """The ghost plan of a ``module_loss`` (None for any other fn). Never imports torch: a
+    ModuleLoss cannot exist unless its module has been imported."""
+    torch_module = sys.modules.get("pergrad._src.torch_module")
+    if torch_module is None or not isinstance(fn, torch_module.ModuleLoss):
+        return None
+    from pergrad._src.ghost import torch_ghost
+
+    if spec.argnums != (0,) or not spec.single_argnum:
+        return torch_ghost.GhostPlan(
+            unsupported={"argnums": "the ghost strategy differentiates the parameters only"}
+        )
+    return torch_ghost.plan(fn, args[0])
+
+
+def _check_ghost_possible(name: str, fn: Any, plan: Any) -> None:
+    if plan is None:
+        raise PergradValueError(
+            f"{name}: strategy='ghost' needs a PyTorch loss made with "
+            f"pergrad.module_loss(model, loss_fn), whose layers it can hook; got a "
+            f"{type(fn).__name__}. Use strategy='chunked' (any loss, either framework) or 'auto'."
+        )
+    if plan.unsupported:
+        listing = "; ".join(f"{k!r}: {v}" for k, v in plan.unsupported.items())
+        raise PergradValueError(
+            f"{name}: strategy='ghost' cannot handle this model ({listing}). Use "
+            f"strategy='chunked', or 'auto', which picks it for such models."
+        )
+
+
+def _reduce(
+    spec: _Spec,
+    call: _Call,
+    fn: Any,
+    choice: StrategyChoice,
+    requested: str,
+    weights_from: WeightsFn | None,
+) -> Reduction:
+    chunk_size = choice.chunk_size
+    if choice.strategy == "ghost":
+        from pergrad._src.ghost.torch_ghost import GhostUnsupported, ghost
+
+        try:
+            return ghost(spec, call, fn, choice.layers, weights_from)
+        except GhostUnsupported as err:
+            if requested == "ghost":
+                raise PergradValueError(
+                    f"{spec.func_name}: strategy='ghost' cannot handle this call: {err}. Use "
+                    f"strategy='chunked', or 'auto', which falls back to it by itself."
+                ) from err
+            warnings.warn(
+                f"{spec.func_name}: the ghost strategy cannot handle this call ({err}); using "
+                f"the chunked strategy instead: the same result, with more time and memory.",
+                FallbackWarning,
+                stacklevel=3,
+            )
+            chunk_size = spec.chunk_size or default_chunk_size(call)
+    return chunked(spec, call, chunk_size, weights_from)
+
+
+def _global_norms(squared: list[Any]) -> Any:
+    return sum(squared[1:], squared[0]) ** 0.5
+
+
+def _factors_and_real(norms: Any, bound: float, mask: Any) -> tuple[Any, Any]:
+    """Clip factors ``min(1, bound / norm)`` (1 for a zero norm) and the real-example weights,
+    computed as :func:`pergrad.dp.clipped_sum` does."""
+    factors = bound / norms.clip(min=bound)
+    real = factors * 0 + 1.0 if mask is None else mask * 1.0
+    return factors, real
+
+
+def _check_mask(func_name: str, call: _Call, mask: Any) -> None:
+    bk = call.backend
+    if not bk.is_array(mask) or bk.shape(mask) != (call.batch_size,):
+        got = f"shape {bk.shape(mask)}" if bk.is_array(mask) else type(mask).__name__
+        raise PergradValueError(
+            f"{func_name}: mask must be a ({call.batch_size},) array of the arguments' "
+            f"framework (True for real examples, False for padding); got {got}."
+        )

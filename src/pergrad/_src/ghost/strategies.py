@@ -1,0 +1,153 @@
+"""The chunked strategy, written once over the backend protocol (JAX and PyTorch alike).
+
+Squared norms: ``vmap`` over the examples of "gradient of one example, then its squared norm per
+leaf", with the backend's ``chunk_size`` (JAX: ``lax.map`` over chunks; torch: ``vmap``'s
+``chunk_size``), so at most ``chunk_size x P`` gradient numbers are live at once and only
+``(B,)`` vectors leave each chunk.
+
+Clipped sum: with the clip factors ``c_i`` known, ``sum_i c_i g_i`` is the gradient of
+``sum_i c_i loss_i`` (Lee & Kifer 2021, "Scaling up differentially private deep learning with
+fast per-example gradient clipping"): ONE batch gradient of the weighted loss, whose batched
+forward pass is the framework's ``vmap`` of the loss of one example.
+
+Where the framework cannot vectorise the loss (torch's ``nn.GRU`` with torch.func), the
+examples are taken one at a time with the core's loop, again reduced at once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from pergrad._src.api import _Call, _loop, _single_example_fn, _Spec
+from pergrad._src.backends import Backend
+from pergrad._src.errors import FallbackWarning, is_pergrad_error
+
+# Default chunk: as many examples as keep chunk_size x P under this many gradient numbers
+# (128 MB in float32): big enough that per-chunk overhead vanishes, small next to B x P.
+_DEFAULT_CHUNK_NUMBERS = 2**25
+
+# weights_from(squared_norms_per_leaf) -> (B,) weights of the examples in the clipped sum
+WeightsFn = Callable[[list[Any]], Any]
+
+
+class Reduction(NamedTuple):
+    """What a strategy returns, per differentiated leaf (in the core's flat order).
+
+    Attributes:
+      squared_norms: ``(B,)`` each example's squared gradient norm, one array per leaf.
+      weighted_sums: ``sum_i w_i g_i`` one array per leaf (shaped like the leaf), or None when
+        no weights were asked for.
+    """
+
+    squared_norms: list[Any]
+    weighted_sums: list[Any] | None
+
+
+def default_chunk_size(call: _Call) -> int:
+    """Examples per chunk when the user gives none: ``B`` for small models."""
+    bk = call.backend
+    num_params = sum(math.prod(bk.shape(call.leaves[i][j])) for i, j in call.diff_positions)
+    return max(1, min(call.batch_size, _DEFAULT_CHUNK_NUMBERS // max(num_params, 1)))
+
+
+def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn | None) -> Reduction:
+    """Squared norms chunk by chunk, then (if ``weights_from``) one weighted batch gradient."""
+    bk = call.backend
+    single = _single_example_fn(spec, call, {})
+    diff = tuple(call.leaves[i][j] for i, j in call.diff_positions)
+    batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
+    squared = (
+        None
+        if spec.use_loop
+        else _vectorised_squared_norms(spec, bk, single, diff, batched, chunk_size)
+    )
+    if squared is None:  # the framework could not vectorise fn
+        return _looped(spec, bk, single, diff, batched, call.batch_size, weights_from)
+    if weights_from is None:
+        return Reduction(squared, None)
+    weights = bk.stop_gradient(weights_from(squared))
+    return Reduction(squared, _weighted_gradient(spec, bk, single, diff, batched, weights))
+
+
+def _vectorised_squared_norms(
+    spec: _Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff: tuple[Any, ...],
+    batched: tuple[Any, ...],
+    chunk_size: int,
+) -> list[Any] | None:
+    value_and_grad = bk.value_and_grad(single, False)
+
+    def squared_norms_of_one(diff_values: Any, example: Any) -> tuple[Any, ...]:
+        _, grads = value_and_grad(diff_values, example)
+        return tuple((g**2).sum() for g in grads)
+
+    vectorised = bk.vmap(squared_norms_of_one, (None, 0), chunk_size, spec.randomness)
+    try:
+        return list(vectorised(diff, batched))
+    except Exception as err:
+        if is_pergrad_error(err):
+            raise
+        explained = bk.explain_failure(err)
+        if explained is not None:
+            raise explained from err
+        # If one example fails on its own, the problem is in fn and its own error is clearest.
+        _loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
+        warnings.warn(
+            f"{spec.func_name}: {bk.name} could not vectorise fn "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Falling back to one "
+            f"example at a time: the same result, but slower.",
+            FallbackWarning,
+            stacklevel=5,
+        )
+        spec.use_loop = True
+        return None
+
+
+def _weighted_gradient(
+    spec: _Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff: tuple[Any, ...],
+    batched: tuple[Any, ...],
+    weights: Any,
+) -> list[Any]:
+    losses_of = bk.vmap(single, (None, 0), None, spec.randomness)
+
+    def weighted_loss(diff_values: Any, examples: Any, example_weights: Any) -> Any:
+        return (losses_of(diff_values, examples) * example_weights).sum()
+
+    _, grads = bk.value_and_grad(weighted_loss, False)(diff, batched, weights)
+    return list(grads)
+
+
+def _looped(
+    spec: _Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff: tuple[Any, ...],
+    batched: tuple[Any, ...],
+    batch_size: int,
+    weights_from: WeightsFn | None,
+) -> Reduction:
+    """One example at a time (the core's loop, randomness rules included); two passes when
+    weights are asked for, so that only one example's gradient is ever held."""
+
+    def grads_of(index: int) -> tuple[Any, ...]:
+        example = tuple(v[index : index + 1] for v in batched)
+        [(_, grads)] = _loop(spec, bk, single, diff, example, 1, stacked=False)
+        return grads
+
+    per_example = [[(g**2).sum() for g in grads_of(i)] for i in range(batch_size)]
+    squared = [bk.stack(column) for column in zip(*per_example)]
+    if weights_from is None:
+        return Reduction(squared, None)
+    weights = bk.stop_gradient(weights_from(squared))
+    sums = [leaf * 0 for leaf in diff]
+    for i in range(batch_size):
+        sums = [s + weights[i] * g for s, g in zip(sums, grads_of(i))]
+    return Reduction(squared, sums)

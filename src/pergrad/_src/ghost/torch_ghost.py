@@ -1,0 +1,332 @@
+"""The ghost strategy for PyTorch models wrapped by :func:`pergrad.module_loss`.
+
+One call:
+
+1. the model runs ONCE on the whole batch (``functional_call`` with fresh leaf tensors for the
+   parameters, so the model's own tensors, ``.grad`` fields and flags are never touched), with a
+   forward hook on every layer that owns a differentiated parameter; the hook keeps the layer's
+   inputs and puts a tensor hook on its output;
+2. each example's loss is ``loss_fn`` on its row of the output (``torch.func.vmap`` over the rows,
+   the ``unsqueeze(0)`` that ``module_loss`` does), and one backward pass of their sum gives, at
+   each hooked output, the per-example output gradients (examples do not mix, so row ``b`` of the
+   gradient of the sum is the gradient of loss ``b``);
+3. each layer's rule (``torch_layers.py``) turns inputs and output gradients into per-example
+   squared norms of its parameters;
+4. for a clipped sum, a second backward pass over the same graph, of ``sum_i c_i loss_i`` with
+   the clip factors ``c_i`` held constant, gives ``sum_i c_i g_i`` exactly (Lee & Kifer 2021).
+
+Tensor hooks (not ``autograd.grad`` with respect to the outputs) because they see the gradient
+of the value the layer produced even when a later in-place op (``ReLU(inplace=True)``) rewrites
+it. Module hooks are removed in ``finally``; tensor hooks live on this call's own tensors.
+
+What the hooks cannot see, and how it is handled:
+
+- a parameter shared by two layers (tied weights), or owned by a layer without a rule: found
+  before running (:func:`plan`); ``strategy="auto"`` then takes the chunked strategy;
+- a layer that does not get the batch on axis 0 of its input and output, a layer called with
+  keyword arguments, or an input changed in place after the layer read it: found while running,
+  reported as :class:`GhostUnsupported` (``"auto"`` falls back to chunked with a warning);
+- a parameter used outside its layer's ``forward`` (``F.linear(x, self.fc.weight)`` in a parent):
+  only partly detectable. It is caught when the batch gradient is larger than the per-example
+  norms allow (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when the layer itself is never
+  called; a parameter used both inside and outside its layer may go unnoticed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.func import functional_call
+
+from pergrad._src.api import _Call, _Spec
+from pergrad._src.errors import PergradValueError, is_pergrad_error
+from pergrad._src.ghost import rule_for
+from pergrad._src.ghost.strategies import Reduction, WeightsFn
+from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
+from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
+
+# Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding.
+_CONSISTENCY_SLACK = 1e-3
+
+
+class GhostUnsupported(Exception):
+    """This call cannot take the ghost strategy; the message says why."""
+
+
+@dataclass(frozen=True)
+class GhostPlan:
+    """Which layers own the differentiated parameters and whether each has a ghost rule.
+
+    Attributes:
+      layers: module name -> rule name (``"linear"``, ``"conv"``, ...) for the covered layers.
+      unsupported: module name (or parameter name) -> why the ghost strategy cannot handle it.
+    """
+
+    layers: dict[str, str] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+
+def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
+    """Check, without running anything, whether every parameter in ``params`` can go ghost."""
+    if not (
+        isinstance(params, dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items())
+    ):
+        return GhostPlan(
+            unsupported={"params": "the ghost strategy needs a dict[str, Tensor] of parameters"}
+        )
+    model = loss.model
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    layers, unsupported = {}, {}
+    for name in params:
+        module_name = name.rpartition(".")[0]
+        if name not in by_name:
+            unsupported[name] = "not a parameter of the model"
+            continue
+        module = model.get_submodule(module_name)
+        others = [a for a in aliases[id(by_name[name])] if a != name]
+        rule = rule_for(module)
+        problem = rule.problem(module) if rule is not None else None
+        if others:
+            unsupported[module_name] = f"{name!r} is shared with {others} (tied weights)"
+        elif rule is None:
+            unsupported[module_name] = f"no ghost rule for {type(module).__name__}"
+        elif problem is not None:
+            unsupported[module_name] = f"{type(module).__name__}: {problem}"
+        else:
+            layers[module_name] = rule.name
+    return GhostPlan(layers, unsupported)
+
+
+def ghost(
+    spec: _Spec,
+    call: _Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    weights_from: WeightsFn | None,
+) -> Reduction:
+    """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy."""
+    model = loss.model
+    refuse_batch_mixing_layers(model, spec.func_name)
+    batch_size = call.batch_size
+    diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
+    batched = [call.leaves[i][j] for i, j in call.batched_positions]
+    args = call.rebuild(diff, batched)
+    inputs, targets, target_dims = _model_and_loss_arguments(call, args, loss.num_inputs)
+    modules = {name: model.get_submodule(name) for name in layers}
+    with torch.enable_grad():
+        with _capturing(modules, batch_size) as records:
+            output = functional_call(model, (args[0], dict(model.named_buffers())), inputs)
+        losses = _per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+        batch_grads = torch.autograd.grad(
+            losses.sum(), diff, retain_graph=weights_from is not None, allow_unused=True
+        )
+    position = {id(leaf): k for k, leaf in enumerate(diff)}
+    squared: list[Any] = [None] * len(diff)
+    for module_name, module in modules.items():
+        for param_name, values in _layer_squared_norms(module_name, module, records[module_name]):
+            leaf = args[0].get(f"{module_name}.{param_name}" if module_name else param_name)
+            if leaf is not None:
+                squared[position[id(leaf)]] = values
+    _check_consistency(args[0], position, squared, batch_grads, batch_size)
+    del batch_grads  # P numbers no longer needed: keep the peak at one gradient's worth
+    if weights_from is None:
+        return Reduction(squared, None)
+    weights = weights_from(squared).detach()
+    with torch.enable_grad():
+        sums = torch.autograd.grad((losses * weights).sum(), diff, allow_unused=True)
+    return Reduction(squared, [torch.zeros_like(x) if s is None else s for x, s in zip(diff, sums)])
+
+
+def _model_and_loss_arguments(
+    call: _Call, args: list[Any], num_inputs: int
+) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
+    """The model's batched inputs, the loss function's arguments and their ``vmap`` dims.
+
+    ``module_loss`` gives every per-example argument a batch axis of one; a shared (unbatched)
+    model input therefore becomes ``B`` copies, and a shared target keeps ``in_dims=None``.
+    """
+    batched = set(call.batched_positions)
+    inputs, targets, target_dims = [], [], []
+    for i, arg in enumerate(args[1:], start=1):
+        _, leaves, treedef = call.backend.flatten(arg)
+        dims = [0 if (i, j) in batched else None for j in range(len(leaves))]
+        if i <= num_inputs:
+            leaves = [
+                x.unsqueeze(0).expand(call.batch_size, *x.shape)
+                if d is None and isinstance(x, torch.Tensor)
+                else x
+                for x, d in zip(leaves, dims)
+            ]
+            inputs.append(call.backend.unflatten(treedef, leaves))
+        else:
+            targets.append(arg)
+            target_dims.append(call.backend.unflatten(treedef, dims))
+    return tuple(inputs), targets, target_dims
+
+
+@dataclass
+class _Record:
+    inputs: tuple[Any, ...]
+    input_versions: tuple[int, ...]
+    output_grad: torch.Tensor | None = None
+
+
+@contextmanager
+def _capturing(
+    modules: dict[str, nn.Module], batch_size: int
+) -> Iterator[dict[str, list[_Record]]]:
+    """Forward hooks that record each call of ``modules`` (by name); removed on the way out."""
+    records: dict[str, list[_Record]] = {name: [] for name in modules}
+
+    def hook(name: str, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        first = inputs[0] if inputs else None
+        if not (
+            isinstance(first, torch.Tensor)
+            and isinstance(output, torch.Tensor)
+            and first.dim() > 0
+            and first.shape[0] == batch_size
+            and output.dim() > 0
+            and output.shape[0] == batch_size
+        ):
+            raise GhostUnsupported(
+                f"layer {name!r} ({type(module).__name__}) did not get the batch of "
+                f"{batch_size} on axis 0 of a positional input and of its output"
+            )
+        record = _Record(inputs, tuple(getattr(x, "_version", 0) for x in inputs))
+        records[name].append(record)
+        if output.requires_grad:
+            output.register_hook(lambda grad: setattr(record, "output_grad", grad))
+
+    handles = [
+        module.register_forward_hook(functools.partial(hook, name))
+        for name, module in modules.items()
+    ]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _per_example_losses(
+    spec: _Spec,
+    loss: ModuleLoss,
+    output: Any,
+    targets: list[Any],
+    target_dims: list[Any],
+    batch_size: int,
+) -> torch.Tensor:
+    """``loss_fn`` on each example's output row, as ``module_loss`` calls it: ``(B,)``."""
+
+    def loss_of_row(output_row: Any, *target_rows: Any) -> Any:
+        rows = [pytree.tree_map(_add_batch_axis, x) for x in (output_row, *target_rows)]
+        return _as_scalar(loss.loss_fn(*rows))
+
+    try:
+        losses = torch.func.vmap(loss_of_row, in_dims=(0, *target_dims))(output, *targets)
+    except Exception as err:
+        if is_pergrad_error(err):
+            raise
+        # loss_fn cannot be vmapped: a loop over the rows (cheap next to the model); if one
+        # row fails too, that error, from the user's loss_fn, is the clearest.
+        losses = torch.stack(
+            [
+                loss_of_row(*_row(index, (output, *targets), (0, *target_dims)))
+                for index in range(batch_size)
+            ]
+        )
+    if not (
+        isinstance(losses, torch.Tensor)
+        and losses.shape == (batch_size,)
+        and losses.is_floating_point()
+    ):
+        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise PergradValueError(
+            f"{spec.func_name}: fn must return a real scalar loss for one example; loss_fn on "
+            f"one example's output gave {got} per example. (has_aux losses are not supported "
+            f"here: return only the loss.)"
+        )
+    return losses
+
+
+def _row(index: int, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> list[Any]:
+    """Example ``index`` of each tree: leaves batched on axis 0 (dims 0) indexed, others kept."""
+    rows = []
+    for tree, tree_dims in zip(trees, dims):
+        leaves, spec = pytree.tree_flatten(tree)
+        leaf_dims = pytree.tree_flatten(tree_dims)[0]  # None is a leaf in torch's pytrees
+        if len(leaf_dims) != len(leaves):  # one 0 / None for the whole tree
+            leaf_dims = leaf_dims * len(leaves)
+        rows.append(
+            pytree.tree_unflatten(
+                [x if d is None else x[index] for x, d in zip(leaves, leaf_dims)], spec
+            )
+        )
+    return rows
+
+
+def _add_batch_axis(x: Any) -> Any:
+    return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
+
+
+def _layer_squared_norms(
+    module_name: str, module: nn.Module, records: list[_Record]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(param_name, (B,) squared norms)`` for each parameter the layer owns."""
+    for record in records:
+        versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
+        if versions != record.input_versions:
+            raise GhostUnsupported(
+                f"the input of layer {module_name!r} was modified in place after the layer read it"
+            )
+    calls = [
+        LayerCall(record.inputs, record.output_grad)
+        for record in records
+        if record.output_grad is not None
+    ]
+    if not calls:  # never called, or its output did not reach the loss: zero gradients
+        return
+    rule = rule_for(module)
+    with torch.no_grad():
+        yield from rule.squared_norms(module, calls).items()
+
+
+def _check_consistency(
+    params: dict[str, torch.Tensor],
+    position: dict[int, int],
+    squared: list[Any],
+    batch_grads: tuple[Any, ...],
+    batch_size: int,
+) -> None:
+    """Fill parameters no hook saw with zeros, and refuse norms the batch gradient contradicts.
+
+    For any per-example gradients, ``|sum_i g_i|^2 <= B sum_i |g_i|^2``. If the batch gradient
+    breaks it, some use of the parameter escaped the layer hooks.
+    """
+    for leaf in params.values():
+        if squared[position[id(leaf)]] is None:
+            squared[position[id(leaf)]] = leaf.new_zeros(batch_size)
+    checked = [(k, g) for k, g in enumerate(batch_grads) if g is not None]
+    if not checked:
+        return
+    batch_sq = torch.stack([torch.linalg.vector_norm(g.detach()) ** 2 for _, g in checked])
+    bound = batch_size * torch.stack([squared[k].sum() for k, _ in checked])
+    escaped = (batch_sq > bound * (1 + _CONSISTENCY_SLACK) + 1e-30).nonzero().flatten().tolist()
+    if escaped:
+        names = {position[id(leaf)]: name for name, leaf in params.items()}
+        raise GhostUnsupported(
+            f"parameter {names[checked[escaped[0]][0]]!r} has a batch gradient larger than its "
+            f"per-example norms allow: it is used outside the forward pass of the layer that "
+            f"owns it"
+        )

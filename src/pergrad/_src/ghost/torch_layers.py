@@ -1,0 +1,272 @@
+"""Ghost-norm rules for PyTorch layers: each example's squared gradient norm per parameter.
+
+Each rule sees the layer's calls in one forward pass over the whole batch (the inputs it got and
+the gradient of the summed per-example losses with respect to its output, batch first) and
+returns ``{param_name: (B,)}`` squared norms without forming the ``(B, *param_shape)``
+per-example gradients, except where those are as small as the activations (normalisation
+layers). A layer called several times in one pass (a shared block) is handled by treating every
+call's positions as more tokens of one sequence: the per-example gradient is the sum over calls.
+
+Families covered: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
+``nn.Conv2d`` (stride, padding incl. ``"same"`` and non-zero padding modes, dilation, groups),
+``nn.Embedding``, ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm*d`` and
+``nn.BatchNorm*d`` in eval mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pergrad._src.ghost import register
+
+
+@dataclass
+class LayerCall:
+    """One call of a layer in the batched forward pass.
+
+    Attributes:
+      inputs: the positional inputs it received, batch first (``inputs[0]``: ``(B, ...)``).
+      output_grad: d(sum of per-example losses) / d(output), ``(B, *output_shape)``.
+    """
+
+    inputs: tuple[Any, ...]
+    output_grad: torch.Tensor
+
+
+def outer_product_squared_norms(
+    activations: torch.Tensor, output_grads: torch.Tensor
+) -> torch.Tensor:
+    """``sum_g |sum_t a[b, g, t] (x) d[b, g, t]|^2`` for each example ``b``.
+
+    The per-example gradient of a linear map applied at ``T`` positions (tokens, or conv patches)
+    is ``sum_t a_t d_t^T``; ``G`` independent blocks (conv groups) add their squared norms.
+
+    Args:
+      activations: ``(B, G, T, p)`` the layer's inputs.
+      output_grads: ``(B, G, T, q)`` the gradients at its outputs.
+
+    Returns:
+      ``(B,)``. For one position it is ``|a|^2 |d|^2``; for ``T^2 <= p q`` the Gram matrices
+      give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large language models can be strong
+      differentially private learners"); otherwise forming ``a^T d`` (``p x q`` per example and
+      group, this layer only) is cheaper.
+    """
+    positions, width_in = activations.shape[-2:]
+    width_out = output_grads.shape[-1]
+    if positions == 1:
+        return ((activations**2).sum(-1) * (output_grads**2).sum(-1)).sum((1, 2))
+    if positions * positions <= width_in * width_out:
+        gram_in = activations @ activations.transpose(-1, -2)
+        gram_out = output_grads @ output_grads.transpose(-1, -2)
+        return (gram_in * gram_out).sum((1, 2, 3))
+    per_example = activations.transpose(-1, -2) @ output_grads
+    return (per_example**2).sum((1, 2, 3))
+
+
+def _squared(per_example: torch.Tensor) -> torch.Tensor:
+    """``(B, ...)`` per-example gradients of one parameter -> ``(B,)`` squared norms."""
+    return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
+
+
+@register(nn.Linear, name="linear")
+def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    batch = calls[0].output_grad.shape[0]
+    activations = torch.cat(
+        [c.inputs[0].reshape(batch, -1, layer.in_features) for c in calls], dim=1
+    )
+    output_grads = torch.cat(
+        [c.output_grad.reshape(batch, -1, layer.out_features) for c in calls], dim=1
+    )
+    result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
+    if layer.bias is not None:
+        result["bias"] = _squared(output_grads.sum(1))
+    return result
+
+
+def _conv_problem(layer: nn.Module) -> str | None:
+    if isinstance(layer.padding, str) and layer.padding not in ("same", "valid"):
+        return f"padding={layer.padding!r} is not understood"
+    return None
+
+
+def _conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The input patches each output position sees: ``(B, G, L, C_in / G * prod(kernel))``.
+
+    ``F.unfold`` orders a patch channel-major then kernel position, as the weight
+    ``(C_out, C_in / G, *kernel)`` is laid out, so group ``g`` owns a contiguous slice.
+    """
+    padding: Any = layer.padding
+    if layer.padding_mode != "zeros" or isinstance(padding, str):
+        # As the layer's own forward does for these: pad explicitly, then convolve unpadded.
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
+        padding = (0,) * len(layer.kernel_size)
+    kernel, stride, dilation = layer.kernel_size, layer.stride, layer.dilation
+    if isinstance(layer, nn.Conv1d):  # F.unfold is 2-D only: a 1-D signal is a 1 x L image
+        x = x.unsqueeze(-2)
+        kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
+        padding = (0, *padding)
+    patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    batch, width, positions = patches.shape
+    groups = layer.groups
+    return patches.reshape(batch, groups, width // groups, positions).transpose(-1, -2)
+
+
+@register(nn.Conv1d, nn.Conv2d, name="conv", problem=_conv_problem)
+def conv_squared_norms(
+    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    batch = calls[0].output_grad.shape[0]
+    groups, channels_out = layer.groups, layer.out_channels
+    patches = torch.cat([_conv_patches(layer, c.inputs[0]) for c in calls], dim=2)
+    output_grads = torch.cat(
+        [
+            c.output_grad.reshape(batch, groups, channels_out // groups, -1).transpose(-1, -2)
+            for c in calls
+        ],
+        dim=2,
+    )
+    result = {"weight": outer_product_squared_norms(patches, output_grads)}
+    if layer.bias is not None:
+        result["bias"] = _squared(output_grads.sum(2))
+    return result
+
+
+def _embedding_problem(layer: nn.Embedding) -> str | None:
+    if layer.max_norm is not None:
+        return "max_norm renormalises rows in place during the forward pass"
+    if layer.scale_grad_by_freq:
+        return "scale_grad_by_freq scales by word counts of the whole batch, not one example"
+    if layer.sparse:
+        return "sparse=True gives sparse gradients"
+    return None
+
+
+@register(nn.Embedding, name="embedding", problem=_embedding_problem)
+def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    """Per example, the output gradients of the positions that look up the same row add up;
+    the squared norm is the sum over the distinct rows of the squared norm of that sum."""
+    batch = calls[0].output_grad.shape[0]
+    width = layer.embedding_dim
+    indices = torch.cat([c.inputs[0].reshape(batch, -1) for c in calls], dim=1)
+    output_grads = torch.cat([c.output_grad.reshape(batch, -1, width) for c in calls], dim=1)
+    if layer.padding_idx is not None:  # the padding row gets no gradient
+        output_grads = output_grads * (indices != layer.padding_idx).unsqueeze(-1)
+    example = torch.arange(batch, device=indices.device).unsqueeze(1)
+    keys = (example * layer.num_embeddings + indices).reshape(-1)  # one key per (example, row)
+    unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
+    row_sums = output_grads.new_zeros(unique_keys.shape[0], width)
+    row_sums.index_add_(0, row_of_position, output_grads.reshape(-1, width))
+    squared = output_grads.new_zeros(batch)
+    squared.index_add_(0, unique_keys // layer.num_embeddings, (row_sums**2).sum(1))
+    return {"weight": squared}
+
+
+def _sum_over(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    # Not x.sum(()): torch reads an empty dim list as "all dimensions".
+    return x.sum(dims) if dims else x
+
+
+def _affine_squared_norms(
+    layer: nn.Module, calls: list[LayerCall], normalize: Any, reduce_dims: Any
+) -> dict[str, torch.Tensor]:
+    """Per-example gradients of an elementwise affine ``y = x_hat * weight + bias``.
+
+    They are as small as one activation (``(B, *weight_shape)``), so they are formed:
+    ``sum (x_hat * d)`` and ``sum d`` over the dimensions the parameters are broadcast along.
+    """
+    weight_grads, bias_grads = 0, 0
+    for call in calls:
+        x, output_grad = call.inputs[0], call.output_grad
+        dims = reduce_dims(x)
+        if getattr(layer, "weight", None) is not None:
+            weight_grads = weight_grads + _sum_over(normalize(x) * output_grad, dims)
+        if getattr(layer, "bias", None) is not None:
+            bias_grads = bias_grads + _sum_over(output_grad, dims)
+    result = {}
+    if getattr(layer, "weight", None) is not None:
+        result["weight"] = _squared(weight_grads)
+    if getattr(layer, "bias", None) is not None:
+        result["bias"] = _squared(bias_grads)
+    return result
+
+
+def _trailing_norm_dims(layer: nn.Module) -> Any:
+    """The batch-and-token dimensions a LayerNorm / RMSNorm parameter is broadcast along."""
+    return lambda x: tuple(range(1, x.dim() - len(layer.normalized_shape)))
+
+
+@register(nn.LayerNorm, name="layer_norm")
+def layer_norm_squared_norms(
+    layer: nn.LayerNorm, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
+
+    return _affine_squared_norms(layer, calls, normalize, _trailing_norm_dims(layer))
+
+
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+
+    @register(nn.RMSNorm, name="rms_norm")
+    def rms_norm_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+        def normalize(x: torch.Tensor) -> torch.Tensor:
+            return F.rms_norm(x, layer.normalized_shape, None, layer.eps)
+
+        return _affine_squared_norms(layer, calls, normalize, _trailing_norm_dims(layer))
+
+
+def _channel_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """Every dimension of ``(B, C, *spatial)`` but the batch and the channels."""
+    return tuple(range(2, x.dim()))
+
+
+@register(nn.GroupNorm, name="group_norm")
+def group_norm_squared_norms(
+    layer: nn.GroupNorm, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, layer.num_groups, None, None, layer.eps)
+
+    return _affine_squared_norms(layer, calls, normalize, _channel_dims)
+
+
+@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, name="instance_norm")
+def instance_norm_squared_norms(
+    layer: nn.Module, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        if layer.training or not layer.track_running_stats:  # each example's own statistics
+            return F.instance_norm(x, eps=layer.eps)
+        return F.instance_norm(
+            x, layer.running_mean, layer.running_var, use_input_stats=False, eps=layer.eps
+        )
+
+    return _affine_squared_norms(layer, calls, normalize, _channel_dims)
+
+
+def _batch_norm_problem(layer: nn.Module) -> str | None:
+    if layer.training or layer.running_mean is None:
+        return "it normalises with the statistics of the whole batch"
+    return None
+
+
+@register(
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    name="batch_norm_eval",
+    problem=_batch_norm_problem,
+)
+def batch_norm_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(
+            x, layer.running_mean, layer.running_var, None, None, False, 0.0, layer.eps
+        )
+
+    return _affine_squared_norms(layer, calls, normalize, _channel_dims)

@@ -1,0 +1,737 @@
+"""Norms and clipped sums without materialising per-example gradients (``pergrad._src.ghost``).
+
+Every result is checked against the materialised reference:
+``pergrad.norms.per_example_norms(pergrad.per_example_grads(fn)(*args))`` and
+``pergrad.dp.clipped_sum(pergrad.per_example_grads(fn)(*args), max_norm)``, which
+``tests/test_torch_zoo.py`` / ``tests/test_jax_zoo.py`` check against a Python loop.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pergrad
+from pergrad._src.ghost.api import choose_strategy, clipped_sum_of, per_example_norms_of
+
+RTOL = 1e-5  # relative to the largest entry of the reference
+
+
+def assert_close(actual: Any, expected: Any, rtol: float = RTOL) -> None:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = max(float(np.abs(expected).max(initial=0.0)), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+def assert_clipped_sums_close(
+    actual: Any, expected: Any, to_numpy: Callable, mask: Any = None
+) -> None:
+    norms = to_numpy(expected.norms)
+    assert_close(to_numpy(actual.norms), norms)
+    # Not expected.clip_fraction: clipped_sum counts "bound / norm < 1", which float32 rounding
+    # makes true for some norms below the bound.
+    real = np.ones_like(norms) if mask is None else to_numpy(mask).astype(np.float64)
+    clip_fraction = ((norms > expected.sensitivity) * real).sum() / max(real.sum(), 1)
+    assert float(actual.clip_fraction) == pytest.approx(clip_fraction)
+    assert float(actual.count) == float(expected.count)
+    assert actual.sensitivity == expected.sensitivity
+    for name in expected.sum:
+        assert_close(to_numpy(actual.sum[name]), to_numpy(expected.sum[name]))
+
+
+class NoFallback:
+    """Turn a ``FallbackWarning`` into an error: the strategy must run as chosen."""
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", pergrad.FallbackWarning)
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+
+# --- PyTorch ------------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch", reason="most of these tests exercise the PyTorch backend")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def t_numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy()
+
+
+def sum_of_squares(out, target):
+    return ((out - target) ** 2).sum()
+
+
+class TwiceShared(nn.Module):
+    """One Linear applied twice: its per-example gradient is the sum over both calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3)
+        self.conv2 = nn.Conv2d(4, 6, 3, padding=1, stride=2)
+        self.fc = nn.Linear(6 * 2 * 2, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x), inplace=True), 2)  # in place on conv1's output
+        return self.fc(F.relu(self.conv2(x)).flatten(1))
+
+
+class Tokens(nn.Module):
+    """Embedding -> LayerNorm / RMSNorm over (B, T, d) -> Linear on the tokens -> mean."""
+
+    def __init__(self, norm: nn.Module, padding_idx: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(7, 6, padding_idx=padding_idx)
+        self.norm = norm
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        return self.proj(self.norm(self.embed(tokens))).mean(1)
+
+
+def warmed_batchnorm() -> nn.Module:
+    body = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    body.train()
+    with torch.no_grad():  # running statistics far from (0, 1), so the buffers matter
+        for _ in range(3):
+            body(torch.randn(16, 2, 6, 6) * 3 + 2)
+    return nn.Sequential(body.eval(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+
+
+def floats(*shape):
+    return lambda batch_size: torch.randn(batch_size, *shape)
+
+
+def tokens(length, vocab):
+    return lambda batch_size: torch.randint(0, vocab, (batch_size, length))
+
+
+@dataclass
+class Case:
+    model: Callable[[], nn.Module]
+    inputs: Callable[[int], Any]
+    loss: str = "ce"  # "ce": cross-entropy on the output's 3 classes; "sse": sum of squares
+    rule: str = "linear"  # a ghost rule the model must use
+    float64: bool = False  # float32 cancellation would put 1e-5 out of reach (see the case)
+
+
+def head(*body: nn.Module, features: int) -> nn.Module:
+    return nn.Sequential(*body, nn.Flatten(), nn.Linear(features, 3))
+
+
+GHOST_ZOO = {
+    "linear_2d": Case(lambda: nn.Sequential(nn.Linear(6, 3)), floats(6)),
+    # T^2 = 9 <= 4 x 5: Gram matrices. Sums of products of both signs over the tokens cancel:
+    # float64 keeps the comparison at 1e-5.
+    "linear_sequence_gram": Case(
+        lambda: head(nn.Linear(4, 5), features=15), floats(3, 4), float64=True
+    ),
+    # T^2 = 36 > 3 x 2: the per-example gradient of this layer is formed instead.
+    "linear_sequence_outer": Case(lambda: head(nn.Linear(3, 2), features=12), floats(6, 3)),
+    "conv1d_stride_pad_dilation": Case(
+        lambda: head(nn.Conv1d(3, 4, 3, stride=2, padding=1, dilation=2), features=16),
+        floats(3, 9),
+        rule="conv",
+    ),
+    "conv1d_groups_same_circular": Case(
+        lambda: head(
+            nn.Conv1d(4, 6, 4, padding="same", groups=2, padding_mode="circular"), features=42
+        ),
+        floats(4, 7),
+        rule="conv",
+    ),
+    "conv2d_stride_pad_dilation": Case(
+        lambda: head(nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2), features=36),
+        floats(3, 7, 7),
+        rule="conv",
+    ),
+    "conv2d_groups_reflect": Case(
+        lambda: head(
+            nn.Conv2d(4, 6, (3, 2), groups=2, padding=(1, 1), padding_mode="reflect"),
+            features=6 * 5 * 6,
+        ),
+        floats(4, 5, 5),
+        "sse",
+        rule="conv",
+    ),
+    "conv2d_depthwise_no_bias": Case(
+        lambda: head(nn.Conv2d(4, 4, 3, groups=4, bias=False), features=64),
+        floats(4, 6, 6),
+        rule="conv",
+    ),
+    "embedding_padding_idx": Case(
+        lambda: Tokens(nn.LayerNorm(6), padding_idx=0), tokens(8, 7), rule="embedding"
+    ),
+    "layer_norm_sequence": Case(lambda: Tokens(nn.LayerNorm(6)), tokens(5, 7), rule="layer_norm"),
+    "layer_norm_2d": Case(
+        lambda: nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)),
+        floats(5),
+        rule="layer_norm",
+    ),
+    "rms_norm": Case(lambda: Tokens(nn.RMSNorm(6)), tokens(5, 7), rule="rms_norm"),
+    "group_norm": Case(
+        lambda: head(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), features=36),
+        floats(2, 5, 5),
+        rule="group_norm",
+    ),
+    "instance_norm_affine": Case(
+        # no conv bias: instance norm removes it, its gradient is rounding noise
+        lambda: head(
+            nn.Conv2d(2, 4, 3, bias=False), nn.InstanceNorm2d(4, affine=True), features=36
+        ),
+        floats(2, 5, 5),
+        rule="instance_norm",
+    ),
+    "batch_norm_eval": Case(warmed_batchnorm, floats(2, 6, 6), "sse", rule="batch_norm_eval"),
+    "mlp": Case(
+        lambda: nn.Sequential(
+            nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+        ),
+        floats(8),
+    ),
+    "small_cnn": Case(SmallCNN, floats(1, 8, 8), rule="conv"),
+    "layer_called_twice": Case(TwiceShared, floats(4)),
+}
+
+BATCH = 6
+
+
+def make(case: Case) -> tuple[Any, tuple[Any, ...]]:
+    """A module_loss and its arguments (params, X, Y) for ``case``, seeded."""
+    torch.manual_seed(0)
+    if case.float64:
+        torch.set_default_dtype(torch.float64)
+    try:
+        model = case.model()
+        x = case.inputs(BATCH)
+        with torch.no_grad():
+            out = model(x)
+        if case.loss == "ce":
+            loss = pergrad.module_loss(model, F.cross_entropy)
+            y = torch.randint(0, out.shape[-1], (BATCH,))
+        else:
+            loss = pergrad.module_loss(model, sum_of_squares)
+            y = torch.randn_like(out)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return loss, (loss.params(), x, y)
+
+
+def materialized(loss: Any, args: tuple[Any, ...], **kwargs: Any) -> Any:
+    return pergrad.per_example_grads(loss, **kwargs)(*args)
+
+
+def median_norm(grads: Any) -> float:
+    return float(pergrad.norms.per_example_norms(grads).median())
+
+
+@pytest.mark.parametrize("name", list(GHOST_ZOO))
+def test_ghost_zoo_matches_materialized(name):
+    case = GHOST_ZOO[name]
+    loss, args = make(case)
+    grads = materialized(loss, args)
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "ghost", choice
+    assert case.rule in choice.layers.values()
+    bound = median_norm(grads)  # about half the examples are clipped
+    with NoFallback():
+        norms = per_example_norms_of(loss, *args)
+        per_layer = per_example_norms_of(loss, *args, per_layer=True)
+        clipped = clipped_sum_of(loss, *args, max_norm=bound)
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+    expected_per_layer = pergrad.norms.per_example_norms(grads, per_layer=True)
+    assert set(per_layer) == set(expected_per_layer)
+    for key, value in expected_per_layer.items():
+        assert_close(t_numpy(per_layer[key]), t_numpy(value))
+    squares = sum(v**2 for v in per_layer.values())
+    assert_close(t_numpy(squares), t_numpy(norms**2))
+    expected = pergrad.dp.clipped_sum(grads, bound)
+    assert 0 < float(clipped.clip_fraction) < 1
+    assert_clipped_sums_close(clipped, expected, t_numpy)
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "materialize"])
+def test_other_strategies_match_on_torch_models(strategy):
+    loss, args = make(GHOST_ZOO["small_cnn"])
+    grads = materialized(loss, args)
+    choice = choose_strategy(loss, *args, strategy=strategy, chunk_size=4)
+    assert (choice.strategy, choice.chunk_size) == (strategy, 4)
+    with NoFallback():
+        norms = per_example_norms_of(loss, *args, strategy=strategy, chunk_size=4)
+        clipped = clipped_sum_of(loss, *args, max_norm=1.0, strategy=strategy, chunk_size=4)
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 1.0), t_numpy)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_unsupported_layer_makes_auto_choose_chunked_and_ghost_refuse():
+    torch.manual_seed(0)
+    model = Attention()
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    args = (loss.params(), torch.randn(5, 4, 6), torch.randint(0, 3, (5,)))
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "chunked"
+    assert "MultiheadAttention" in choice.unsupported["attn"]
+    assert choice.layers == {"fc": "linear"}
+    grads = materialized(loss, args)
+    with NoFallback():
+        norms = per_example_norms_of(loss, *args)
+        clipped = clipped_sum_of(loss, *args, max_norm=0.3)
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 0.3), t_numpy)
+    with pytest.raises(ValueError, match="'attn'.*MultiheadAttention"):
+        per_example_norms_of(loss, *args, strategy="ghost")
+
+
+def test_chunked_falls_back_to_a_loop_where_vmap_fails():
+    """torch.func cannot vmap nn.GRU (torch 2.13): one example at a time, same numbers."""
+
+    class LastStep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0][:, -1]
+
+    torch.manual_seed(0)
+    loss = pergrad.module_loss(LastStep(), sum_of_squares)
+    args = (loss.params(), torch.randn(4, 5, 3), torch.randn(4, 4))
+    with pytest.warns(pergrad.FallbackWarning):
+        grads = materialized(loss, args)
+    with pytest.warns(pergrad.FallbackWarning, match="one example at a time"):
+        norms = per_example_norms_of(loss, *args)
+    with pytest.warns(pergrad.FallbackWarning):
+        clipped = clipped_sum_of(loss, *args, max_norm=1.0)
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 1.0), t_numpy)
+
+
+def test_tied_weights_are_not_ghosted():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 4)
+            self.out = nn.Linear(4, 5, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.out(self.embed(tokens).mean(1))
+
+    torch.manual_seed(0)
+    loss = pergrad.module_loss(Tied(), F.cross_entropy)
+    args = (loss.params(), torch.randint(0, 5, (4, 3)), torch.randint(0, 5, (4,)))
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "chunked"
+    assert "tied" in choice.unsupported["embed"]
+    expected = pergrad.norms.per_example_norms(materialized(loss, args))
+    assert_close(t_numpy(per_example_norms_of(loss, *args)), t_numpy(expected))
+
+
+class OutsideUse(nn.Module):
+    """``fc.weight`` is used by the parent, not through ``fc``: the hooks never see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return F.linear(x, self.fc.weight)
+
+
+class SequenceFirst(nn.Module):
+    """A Linear that sees (T, B, d): its axis 0 is not the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1)).mean(0)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [(OutsideUse, "used outside the forward pass"), (SequenceFirst, "batch of 4 on axis 0")],
+)
+def test_what_hooks_cannot_see_falls_back_under_auto_and_fails_under_ghost(model, match):
+    torch.manual_seed(0)
+    loss = pergrad.module_loss(model(), F.cross_entropy)
+    args = (loss.params(), torch.randn(4, 5, 4) if model is SequenceFirst else torch.randn(4, 4))
+    args = (*args, torch.randint(0, 3, (4,)))
+    assert choose_strategy(loss, *args).strategy == "ghost"  # only visible while running
+    with pytest.warns(pergrad.FallbackWarning, match=match):
+        norms = per_example_norms_of(loss, *args)
+    expected = pergrad.norms.per_example_norms(materialized(loss, args))
+    assert_close(t_numpy(norms), t_numpy(expected))
+    with pytest.raises(ValueError, match=match):
+        clipped_sum_of(loss, *args, max_norm=1.0, strategy="ghost")
+
+
+def test_frozen_parameters_and_a_shared_model_input():
+    """A frozen layer is left out; a shared (in_axes=None) model input reaches every example."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(5, 5)
+            self.fc = nn.Linear(5, 3)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x, scale):
+            return self.fc(self.frozen(x) * scale)
+
+    torch.manual_seed(0)
+    loss = pergrad.module_loss(Scaled(), F.cross_entropy, num_inputs=2)
+    args = (loss.params(), torch.randn(6, 5), torch.randn(5), torch.randint(0, 3, (6,)))
+    in_axes = (None, 0, None, 0)
+    assert set(args[0]) == {"fc.weight", "fc.bias"}
+    grads = materialized(loss, args, in_axes=in_axes)
+    with NoFallback():
+        norms = per_example_norms_of(loss, *args, in_axes=in_axes, strategy="ghost")
+        clipped = clipped_sum_of(loss, *args, in_axes=in_axes, max_norm=0.5, strategy="ghost")
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 0.5), t_numpy)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "chunked"])
+def test_mask_leaves_padding_out(strategy):
+    loss, args = make(GHOST_ZOO["mlp"])
+    mask = torch.tensor([True, False, True, True, False, True])
+    grads = materialized(loss, args)
+    clipped = clipped_sum_of(loss, *args, max_norm=0.5, mask=mask, strategy=strategy)
+    expected = pergrad.dp.clipped_sum(grads, 0.5, mask=mask)
+    assert float(clipped.count) == 4
+    assert_clipped_sums_close(clipped, expected, t_numpy, mask)
+
+
+def test_per_group_bounds_go_to_the_materialized_path_under_auto():
+    loss, args = make(GHOST_ZOO["mlp"])
+    bounds = {name: 0.3 for name in args[0]}
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "ghost"
+    clipped = clipped_sum_of(loss, *args, max_norm=bounds)
+    expected = pergrad.dp.clipped_sum(materialized(loss, args), bounds)
+    assert len(clipped.norms) == len(bounds)  # one (B,) norm per group
+    for name in expected.sum:
+        assert_close(t_numpy(clipped.sum[name]), t_numpy(expected.sum[name]))
+    with pytest.raises(ValueError, match="per-group bounds"):
+        clipped_sum_of(loss, *args, max_norm=bounds, strategy="ghost")
+
+
+def test_plain_torch_function_goes_chunked():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+
+    def loss(p, x, y):
+        return ((torch.tanh(x @ p["w"] + p["b"]) - y) ** 2).sum()
+
+    args = (params, torch.randn(7, 4), torch.randn(7, 3))
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "chunked" and "module_loss" in choice.reason
+    grads = materialized(loss, args)
+    assert_close(
+        t_numpy(per_example_norms_of(loss, *args, chunk_size=3)),
+        t_numpy(pergrad.norms.per_example_norms(grads)),
+    )
+    assert_clipped_sums_close(
+        clipped_sum_of(loss, *args, max_norm=1.0, chunk_size=3),
+        pergrad.dp.clipped_sum(grads, 1.0),
+        t_numpy,
+    )
+
+
+def test_empty_batch():
+    loss, (params, x, y) = make(GHOST_ZOO["mlp"])
+    args = (params, x[:0], y[:0])
+    assert choose_strategy(loss, *args).strategy == "materialize"
+    assert per_example_norms_of(loss, *args).shape == (0,)
+    clipped = clipped_sum_of(loss, *args, max_norm=1.0)
+    assert float(clipped.count) == 0 and float(clipped.clip_fraction) == 0
+    assert all(float(v.abs().sum()) == 0 for v in clipped.sum.values())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 4),  # B
+    st.integers(1, 3),  # G
+    st.integers(1, 7),  # T
+    st.integers(1, 5),  # p
+    st.integers(1, 5),  # q
+)
+def test_outer_product_squared_norms_equal_the_formed_gradient(batch, groups, positions, p, q):
+    """Both branches (Gram matrices for T^2 <= p q, the formed a^T d otherwise), float64."""
+    from pergrad._src.ghost.torch_layers import outer_product_squared_norms
+
+    generator = torch.Generator().manual_seed(batch * 1000 + positions * 10 + p)
+    a = torch.randn(batch, groups, positions, p, generator=generator, dtype=torch.float64)
+    d = torch.randn(batch, groups, positions, q, generator=generator, dtype=torch.float64)
+    formed = torch.einsum("bgtp,bgtq->bgpq", a, d)
+    expected = (formed**2).sum((1, 2, 3))
+    assert_close(t_numpy(outer_product_squared_norms(a, d)), t_numpy(expected), rtol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 5), st.sampled_from([None, 0]))
+def test_embedding_rule_equals_the_scattered_gradient(batch, length, vocab, padding_idx):
+    from pergrad._src.ghost.torch_layers import LayerCall, embedding_squared_norms
+
+    generator = torch.Generator().manual_seed(batch * 100 + length * 10 + vocab)
+    layer = nn.Embedding(vocab, 3, padding_idx=padding_idx)
+    indices = torch.randint(0, vocab, (batch, length), generator=generator)
+    grads = torch.randn(batch, length, 3, generator=generator, dtype=torch.float64)
+    scattered = torch.zeros(batch, vocab, 3, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(length):
+            if indices[b, t] != padding_idx:
+                scattered[b, indices[b, t]] += grads[b, t]
+    got = embedding_squared_norms(layer, [LayerCall((indices,), grads)])["weight"]
+    assert_close(t_numpy(got), t_numpy((scattered**2).sum((1, 2))), rtol=1e-12)
+
+
+# --- the model is left as it was ------------------------------------------------------------------
+
+
+def model_state(model: nn.Module) -> dict:
+    return {
+        "training": [m.training for m in model.modules()],
+        "hooks": [
+            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            for m in model.modules()
+        ],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grads": [p.grad for p in model.parameters()],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def assert_same_state(model: nn.Module, before: dict) -> None:
+    after = model_state(model)
+    for key in ("training", "hooks", "requires_grad"):
+        assert after[key] == before[key], key
+    assert all(a is b for a, b in zip(after["grads"], before["grads"])), "grad replaced"
+    for grad in after["grads"]:
+        assert torch.equal(grad, torch.full_like(grad, 7.0))
+    for a, b in zip(after["params"], before["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "chunked"])
+def test_model_untouched_after_success_and_failure(strategy):
+    loss, args = make(GHOST_ZOO["small_cnn"])
+    model = loss.model
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    before = model_state(model)
+    per_example_norms_of(loss, *args, strategy=strategy)
+    clipped_sum_of(loss, *args, max_norm=1.0, strategy=strategy)
+    assert_same_state(model, before)
+
+    def failing(output, target):
+        raise RuntimeError("loss_fn failed on purpose")
+
+    broken = pergrad.module_loss(model, failing)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        clipped_sum_of(broken, *args, max_norm=1.0, strategy=strategy)
+    with pytest.raises(ValueError):  # targets of the wrong batch size
+        clipped_sum_of(loss, args[0], args[1], args[2][:3], max_norm=1.0, strategy=strategy)
+    assert_same_state(model, before)
+
+
+def test_a_loss_fn_that_vmap_cannot_batch_is_looped_over_the_rows():
+    def data_dependent(out, y):  # .item() cannot run under vmap
+        return F.cross_entropy(out, y) * (2.0 if y.item() == 0 else 1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    loss = pergrad.module_loss(model, data_dependent)
+    args = (loss.params(), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    with pytest.warns(pergrad.FallbackWarning):
+        grads = materialized(loss, args)
+    with NoFallback():
+        clipped = clipped_sum_of(loss, *args, max_norm=0.5, strategy="ghost")
+    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 0.5), t_numpy)
+
+
+def test_ghost_runs_the_model_once_on_the_whole_batch():
+    loss, args = make(GHOST_ZOO["mlp"])
+    seen = []
+    handle = loss.model.register_forward_pre_hook(lambda m, inputs: seen.append(inputs[0].shape))
+    try:
+        clipped_sum_of(loss, *args, max_norm=1.0)
+    finally:
+        handle.remove()
+    assert seen == [(BATCH, 8)]
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def bad_calls():
+    loss, args = make(GHOST_ZOO["mlp"])
+
+    def plain(p, x, y):
+        return (x @ p["0.weight"].T).sum()
+
+    gru = pergrad.module_loss(nn.GRU(3, 4, batch_first=True), lambda out, y: out[0].sum())
+    gru_args = (gru.params(), torch.randn(2, 5, 3), torch.zeros(2))
+    return [
+        (lambda: per_example_norms_of(loss, *args, strategy="fast"), "strategy must be one of"),
+        (lambda: per_example_norms_of(loss, *args, chunk_size=0), "chunk_size must be a positive"),
+        (lambda: clipped_sum_of(loss, *args, max_norm=0.0), "max_norm must be a positive"),
+        (lambda: clipped_sum_of(loss, *args, max_norm=-1), "max_norm must be a positive"),
+        (lambda: clipped_sum_of(loss, *args, max_norm=True), "max_norm must be a positive"),
+        (lambda: per_example_norms_of(plain, *args, strategy="ghost"), "pergrad.module_loss"),
+        (lambda: per_example_norms_of(gru, *gru_args, strategy="ghost"), "no ghost rule for GRU"),
+        (
+            lambda: per_example_norms_of(loss, *args, argnums=(0,), strategy="ghost"),
+            "differentiates the parameters only",
+        ),
+        (
+            lambda: clipped_sum_of(loss, *args, max_norm=1.0, mask=torch.ones(3)),
+            r"mask must be a \(6,\) array",
+        ),
+        (lambda: per_example_norms_of(loss, *args, per_layer="yes"), "per_layer must be"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_bad_input(index):
+    call, match = bad_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+# --- JAX ----------------------------------------------------------------------------------------
+
+
+def jax_mlp():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "hidden": {"w": jax.random.normal(keys[0], (5, 8)) * 0.6, "b": jnp.full(8, 0.1)},
+        "out": {"w": jax.random.normal(keys[1], (8, 3)) * 0.6, "b": jnp.zeros(3)},
+    }
+
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["hidden"]["w"] + p["hidden"]["b"])
+        logits = h @ p["out"]["w"] + p["out"]["b"]
+        return -jax.nn.log_softmax(logits)[y]
+
+    x = jax.random.normal(keys[2], (10, 5))
+    y = jax.random.randint(keys[3], (10,), 0, 3)
+    return loss, (params, x, y)
+
+
+def jax_conv():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    keys = jax.random.split(jax.random.key(1), 4)
+    params = {
+        "kernel": jax.random.normal(keys[0], (4, 2, 3, 3)) * 0.4,  # OIHW
+        "dense": jax.random.normal(keys[1], (4 * 3 * 3, 3)) * 0.3,
+    }
+
+    def loss(p, image, y):  # image (2, 7, 7): one example
+        out = jax.lax.conv_general_dilated(
+            image[None], p["kernel"], window_strides=(2, 2), padding=((1, 1), (1, 1))
+        )
+        features = jax.nn.relu(out).reshape(-1)[: 4 * 3 * 3]
+        return jnp.sum((features @ p["dense"] - y) ** 2)
+
+    x = jax.random.normal(keys[2], (9, 2, 7, 7))
+    y = jax.random.normal(keys[3], (9, 3))
+    return loss, (params, x, y)
+
+
+def j_numpy(x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+
+@pytest.mark.parametrize("workload", [jax_mlp, jax_conv])
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])
+def test_jax_chunked_matches_materialized(workload, chunk_size):
+    loss, args = workload()
+    grads = pergrad.per_example_grads(loss)(*args)
+    choice = choose_strategy(loss, *args, chunk_size=chunk_size)
+    assert choice.strategy == "chunked"
+    assert choice.chunk_size == (chunk_size or args[1].shape[0])  # small model: whole batch
+    norms = per_example_norms_of(loss, *args, chunk_size=chunk_size)
+    assert_close(norms, pergrad.norms.per_example_norms(grads))
+    per_layer = per_example_norms_of(loss, *args, per_layer=True, chunk_size=chunk_size)
+    import jax
+
+    expected_per_layer = pergrad.norms.per_example_norms(grads, per_layer=True)
+    jax.tree_util.tree_map(assert_close, per_layer, expected_per_layer)
+    squares = sum(leaf**2 for leaf in jax.tree_util.tree_leaves(per_layer))
+    assert_close(squares, norms**2)
+    bound = float(np.median(np.asarray(norms)))
+    clipped = clipped_sum_of(loss, *args, max_norm=bound, chunk_size=chunk_size)
+    expected = pergrad.dp.clipped_sum(grads, bound)
+    assert_clipped_sums_close(clipped._replace(sum={}), expected._replace(sum={}), j_numpy)
+    jax.tree_util.tree_map(assert_close, clipped.sum, expected.sum)
+
+
+def test_jax_under_jit_with_a_mask_and_tuple_argnums():
+    jax = pytest.importorskip("jax")
+    loss, (params, x, y) = jax_mlp()
+    mask = np.arange(10) % 3 != 0
+
+    @jax.jit
+    def step(p, x, y, mask):
+        return clipped_sum_of(loss, p, x, y, max_norm=0.5, chunk_size=3, mask=mask)
+
+    clipped = step(params, x, y, mask)
+    expected = pergrad.dp.clipped_sum(pergrad.per_example_grads(loss)(params, x, y), 0.5, mask)
+    assert float(clipped.count) == float(expected.count) == 6
+    jax.tree_util.tree_map(assert_close, clipped.sum, expected.sum)
+
+    def split_loss(hidden, out, x, y):
+        return loss({"hidden": hidden, "out": out}, x, y)
+
+    split_args = (params["hidden"], params["out"], x, y)
+    norms = per_example_norms_of(split_loss, *split_args, argnums=(0, 1), per_layer=True)
+    expected_norms = pergrad.norms.per_example_norms(
+        pergrad.per_example_grads(split_loss, argnums=(0, 1))(*split_args), per_layer=True
+    )
+    assert isinstance(norms, tuple)
+    jax.tree_util.tree_map(assert_close, norms, expected_norms)
+
+
+def test_jax_ghost_is_refused():
+    loss, args = jax_mlp()
+    with pytest.raises(ValueError, match="pergrad.module_loss"):
+        per_example_norms_of(loss, *args, strategy="ghost")
