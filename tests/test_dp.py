@@ -194,6 +194,7 @@ def test_dp_optimizer_zero_noise_step_matches_a_manual_step():
         expected = before[k].numpy() - 0.3 * clipped_sum[k] / 10
         np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-4, atol=1e-6)
     assert stats.batch_size == 12 and 0 <= stats.clip_fraction <= 1
+    assert stats.strategy == "ghost"  # Linear and Tanh: no B x P per-example gradients
     assert model.training  # the model's mode is untouched
 
 

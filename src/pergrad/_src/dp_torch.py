@@ -9,20 +9,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.api import value_and_per_example_grads
-from pergrad._src.clipping import _check_positive, check_noise_multiplier, private_mean
+from pergrad._src.clipping import _check_positive, add_noise, check_noise_multiplier
 from pergrad._src.errors import PergradTypeError
+from pergrad._src.ghost.api import choose_strategy, clipped_sum_of
 from pergrad._src.torch_module import module_loss
 
 
 @dataclass(frozen=True)
 class DPStep:
-    """What one private step did: the mean loss of the real examples, the share of examples
-    whose gradient was clipped, and the batch size."""
+    """What one private step did: the share of examples whose gradient was clipped, the batch
+    size, and how the clipped sum was computed (``"ghost"``, ``"chunked"`` or
+    ``"materialize"``, see :func:`pergrad.norms.choose_strategy`)."""
 
-    loss: float
     clip_fraction: float
     batch_size: int
+    strategy: str
 
 
 class DPOptimizer:
@@ -44,8 +45,10 @@ class DPOptimizer:
     ``requires_grad=False`` are left out. An empty batch still takes a step (pure noise), as
     the accounting assumes. Pass an :class:`Accountant` to have it count the steps.
 
-    Cost: one vectorised per-example gradient pass (``B x P`` memory; ``chunk_size`` bounds the
-    working set of the forward/backward pass) plus a contraction for the clipped sum.
+    Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
+    (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
+    norm layers) the ghost strategy, about two batch gradients of time and no ``B x P`` memory;
+    otherwise per-example gradients ``chunk_size`` examples at a time.
     """
 
     def __init__(
@@ -60,7 +63,7 @@ class DPOptimizer:
         generator: torch.Generator | None = None,
         num_inputs: int = 1,
         chunk_size: int | None = None,
-        randomness: str | None = None,
+        strategy: str = "auto",
         accountant: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -85,9 +88,8 @@ class DPOptimizer:
         self.generator = generator
         self.accountant = accountant
         self._loss = module_loss(model, loss_fn, num_inputs=num_inputs)
-        self._per_example = value_and_per_example_grads(
-            self._loss, chunk_size=chunk_size, randomness=randomness
-        )
+        self.strategy = strategy
+        self.chunk_size = chunk_size
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -98,21 +100,28 @@ class DPOptimizer:
 
     def step(self, *batch: Any) -> DPStep:
         """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets)."""
-        losses, grads = self._per_example(self._loss.params(), *batch)
-        private, stats = private_mean(
-            grads, self.max_norm, self.noise_multiplier, self.generator, self.expected_batch_size
+        params = self._loss.params()
+        choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
+        clipped = clipped_sum_of(
+            self._loss,
+            params,
+            *batch,
+            max_norm=self.max_norm,
+            strategy=self.strategy,
+            chunk_size=self.chunk_size,
         )
+        noisy = add_noise(clipped.sum, self.noise_multiplier * self.max_norm, self.generator)
+        denominator = self.expected_batch_size or max(float(clipped.count), 1.0)
         for name, param in self.model.named_parameters():
-            if name in private:
-                param.grad = private[name].detach().to(param.dtype)
+            if name in noisy:
+                param.grad = (noisy[name] / denominator).detach().to(param.dtype)
         self.optimizer.step()
         if self.accountant is not None:
             self.accountant.step()
-        batch_size = int(losses.shape[0])
         return DPStep(
-            loss=float(losses.mean()) if batch_size else float("nan"),
-            clip_fraction=float(stats.clip_fraction),
-            batch_size=batch_size,
+            clip_fraction=float(clipped.clip_fraction),
+            batch_size=int(clipped.count),
+            strategy=choice.strategy,
         )
 
     def state_dict(self) -> dict[str, Any]:
