@@ -54,3 +54,42 @@ def torch_loop_losses(loss_of_one, params: dict, *batched: Any) -> Any:
         return torch.stack(
             [loss_of_one(params, *(b[i] for b in batched)) for i in range(batch_size)]
         )
+
+
+def torch_module_loop_grads(model, loss_fn, inputs: list, targets: list) -> dict:
+    """``{name: (B, *shape)}`` by ordinary training code, one example at a time.
+
+    A deep copy of ``model`` runs ``loss_fn(model(*inputs_i), *targets_i).backward()`` for each
+    example ``i`` (batch axis of one kept), and its ``.grad`` fields are read: no
+    ``functional_call``, no ``torch.func``, no ``autograd.grad`` (which reentrant checkpointing
+    refuses). A dict input is passed as keyword arguments. Tied parameters appear once, under
+    their first name, with the sum of both uses, as autograd gives.
+    """
+    import copy
+
+    import torch
+
+    def row(x, i):
+        if isinstance(x, dict):
+            return {k: row(v, i) for k, v in x.items()}
+        return x[i : i + 1]
+
+    clone = copy.deepcopy(model)
+    params = dict(clone.named_parameters())
+    batch_size = (
+        next(iter(targets[0].values())).shape[0]
+        if isinstance(targets[0], dict)
+        else len(targets[0])
+    )
+    per_example = {name: [] for name in params}
+    for i in range(batch_size):
+        for p in params.values():
+            p.grad = None
+        args = [row(x, i) for x in inputs]
+        positional = [x for x in args if not isinstance(x, dict)]
+        keywords = {k: v for x in args if isinstance(x, dict) for k, v in x.items()}
+        loss = loss_fn(clone(*positional, **keywords), *(row(t, i) for t in targets))
+        loss.backward()
+        for name, p in params.items():
+            per_example[name].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    return {name: torch.stack(gs) for name, gs in per_example.items()}

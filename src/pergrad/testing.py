@@ -30,9 +30,8 @@ def assert_matches_loop(
     """Vectorised per-example gradients equal a loop of single-example gradients."""
     vectorised = api.per_example_grads(fn, argnums=argnums, in_axes=in_axes)(*args)
     loop_spec = api._Spec.create(
-        "assert_matches_loop", fn, argnums, in_axes, False, None, None, None
+        "assert_matches_loop", fn, argnums, in_axes, False, None, None, None, "loop"
     )
-    loop_spec.use_loop = True
     _, looped = api._compute(loop_spec, args, {})
     _assert_trees_close("per-example gradients vs the loop", vectorised, looped, rtol, atol)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pergrad._src.errors import (
 )
 
 _RANDOMNESS = ("error", "different", "same")
+STRATEGIES = ("auto", "vmap", "hooks", "loop")
 
 
 def per_example_grads(
@@ -42,6 +44,7 @@ def per_example_grads(
     chunk_size: int | None = None,
     backend: str | None = None,
     randomness: str | None = None,
+    strategy: str = "auto",
 ) -> Callable[..., Any]:
     """Turn the loss of one example into a function that returns each example's gradient.
 
@@ -81,14 +84,24 @@ def per_example_grads(
     ``B x P`` output. An empty batch (``B == 0``) returns empty arrays of the right shapes.
     """
     spec = _Spec.create(
-        "per_example_grads", fn, argnums, in_axes, has_aux, chunk_size, backend, randomness
+        "per_example_grads",
+        fn,
+        argnums,
+        in_axes,
+        has_aux,
+        chunk_size,
+        backend,
+        randomness,
+        strategy,
     )
 
     @functools.wraps(fn)
     def per_example_grads_fn(*args: Any, **kwargs: Any) -> Any:
         value, grads = _compute(spec, args, kwargs)
+        per_example_grads_fn.last_strategy = spec.last_strategy  # type: ignore[attr-defined]
         return (grads, value[1]) if has_aux else grads
 
+    per_example_grads_fn.last_strategy = None  # type: ignore[attr-defined]
     return per_example_grads_fn
 
 
@@ -100,6 +113,7 @@ def value_and_per_example_grads(
     chunk_size: int | None = None,
     backend: str | None = None,
     randomness: str | None = None,
+    strategy: str = "auto",
 ) -> Callable[..., Any]:
     """Like :func:`per_example_grads`, but also return each example's loss.
 
@@ -116,12 +130,16 @@ def value_and_per_example_grads(
         chunk_size,
         backend,
         randomness,
+        strategy,
     )
 
     @functools.wraps(fn)
     def value_and_per_example_grads_fn(*args: Any, **kwargs: Any) -> Any:
-        return _compute(spec, args, kwargs)
+        out = _compute(spec, args, kwargs)
+        value_and_per_example_grads_fn.last_strategy = spec.last_strategy  # type: ignore[attr-defined]
+        return out
 
+    value_and_per_example_grads_fn.last_strategy = None  # type: ignore[attr-defined]
     return value_and_per_example_grads_fn
 
 
@@ -139,7 +157,11 @@ class _Spec:
     backend: str | None
     randomness: str | None
     arg_names: tuple[str, ...]
-    use_loop: bool = field(default=False)
+    strategy: str = "auto"
+    # What "auto" settled on after a failure ("hooks" or "loop"): later calls go there directly.
+    resolved: str | None = field(default=None)
+    hooks_checked: bool = field(default=False)  # the hooks' first-call spot check is done
+    last_strategy: str | None = field(default=None)
 
     @classmethod
     def create(
@@ -152,6 +174,7 @@ class _Spec:
         chunk_size: Any,
         backend: Any,
         randomness: Any,
+        strategy: Any = "auto",
     ) -> _Spec:
         if not callable(fn):
             raise PergradTypeError(
@@ -177,6 +200,10 @@ class _Spec:
                 f"{func_name}: randomness must be one of {list(_RANDOMNESS)} or None; "
                 f"got {randomness!r}."
             )
+        if not isinstance(strategy, str) or strategy not in STRATEGIES:
+            raise PergradValueError(
+                f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
+            )
         return cls(
             func_name,
             fn,
@@ -188,6 +215,7 @@ class _Spec:
             backend,
             randomness,
             _positional_names(fn),
+            strategy,
         )
 
     def arg_name(self, index: int) -> str | None:
@@ -265,47 +293,147 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if call.batch_size == 0:
         # Run one dummy example to learn the output shapes, then return empty arrays.
         padded = tuple(bk.zeros_example(v) for v in batched_values)
-        out = _run(spec, bk, single, diff_values, padded, 1)
+        out = _run(spec, call, single, diff_values, padded, 1)
         out = _map_arrays(bk, bk.slice_empty, out)
     else:
-        out = _run(spec, bk, single, diff_values, batched_values, call.batch_size)
+        out = _run(spec, call, single, diff_values, batched_values, call.batch_size)
     value, grad_leaves = out
     return value, _rebuild_grads(spec, call, grad_leaves)
 
 
 def _run(
     spec: _Spec,
-    bk: Backend,
+    call: _Call,
     single: Callable[..., Any],
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
     batch_size: int,
 ) -> Any:
-    if spec.use_loop:
+    """``(value, grad leaves)`` by the requested strategy, or the one "auto" settled on."""
+    bk = call.backend
+    strategy = spec.resolved or spec.strategy
+    if strategy == "loop":
+        spec.last_strategy = "loop"
         return _loop(spec, bk, single, diff_values, batched_values, batch_size)
+    if strategy == "hooks":
+        out, why_not = _hooks(spec, call, single, diff_values, batched_values, batch_size)
+        if out is not None:
+            return out
+        if spec.strategy == "hooks":
+            raise PergradValueError(
+                f"{spec.func_name}: strategy='hooks' cannot handle this call: {why_not}. Use "
+                f"strategy='auto' (which falls back to a loop by itself) or 'loop'."
+            )
+        return _fall_back_to_loop(
+            spec,
+            bk,
+            single,
+            diff_values,
+            batched_values,
+            batch_size,
+            f"layer hooks cannot take this call ({why_not})",
+        )
     value_and_grad = bk.value_and_grad(single, spec.has_aux)
     vectorised = bk.vmap(value_and_grad, (None, 0), spec.chunk_size, spec.randomness)
     try:
-        return vectorised(diff_values, batched_values)
+        out = vectorised(diff_values, batched_values)
     except Exception as err:
-        if is_pergrad_error(err):
-            raise
-        explained = bk.explain_failure(err)
-        if explained is not None:
-            raise explained from err
-        # The framework could not batch fn. Check that one example works on its own (if not,
-        # the problem is in fn and its own error is the clearest), then loop over examples.
-        _loop(spec, bk, single, diff_values, batched_values, 1, stacked=False)
+        cause = vmap_failure(bk, err)
+        if spec.strategy == "vmap":
+            raise PergradValueError(
+                f"{spec.func_name}: strategy='vmap': {bk.name} could not vectorise fn "
+                f"({cause}). Use strategy='auto', which then takes layer hooks or a loop."
+            ) from err
+        failed = err
+    else:
+        spec.last_strategy = "vmap"
+        return out
+    cause = f"{bk.name} could not vectorise fn ({vmap_failure(bk, failed)})"
+    out, why_not = _hooks(spec, call, single, diff_values, batched_values, batch_size)
+    if out is not None:
         warnings.warn(
-            f"{spec.func_name}: {bk.name} could not vectorise fn "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Falling back to a "
-            f"loop over the {batch_size} examples: the same result, but slower. Later calls "
-            f"of this function use the loop directly.",
+            f"{spec.func_name}: {cause}. Took strategy 'hooks' instead: per-example gradients "
+            f"from layer hooks over one forward and backward pass of the batch, checked "
+            f"against the batch gradient. Later calls of this function use it directly.",
             FallbackWarning,
             stacklevel=4,
         )
-        spec.use_loop = True
-        return _loop(spec, bk, single, diff_values, batched_values, batch_size)
+        spec.resolved = "hooks"
+        return out
+    return _fall_back_to_loop(
+        spec,
+        bk,
+        single,
+        diff_values,
+        batched_values,
+        batch_size,
+        f"{cause}; layer hooks cannot take it either ({why_not})",
+    )
+
+
+def vmap_failure(bk: Backend, err: Exception) -> str:
+    """Why ``bk.vmap`` failed, in one line; re-raises what a fallback would not fix (pergrad's
+    own errors, and failures the backend explains, such as dropout without ``randomness``)."""
+    if is_pergrad_error(err):
+        raise err
+    explained = bk.explain_failure(err)
+    if explained is not None:
+        raise explained from err
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+
+def _fall_back_to_loop(
+    spec: _Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+    cause: str,
+) -> Any:
+    # If one example fails on its own, the problem is in fn and its own error is the clearest.
+    _loop(spec, bk, single, diff_values, batched_values, 1, stacked=False)
+    warnings.warn(
+        f"{spec.func_name}: {cause}. Falling back to strategy 'loop', one example at a time: "
+        f"the same result, but slower. Later calls of this function use the loop directly.",
+        FallbackWarning,
+        stacklevel=5,
+    )
+    spec.resolved = "loop"
+    spec.last_strategy = "loop"
+    return _loop(spec, bk, single, diff_values, batched_values, batch_size)
+
+
+def _hooks(
+    spec: _Spec,
+    call: _Call,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+) -> tuple[Any, str | None]:
+    """``(out, None)`` by the hooks strategy, or ``(None, why not)``. Never imports torch: a
+    ``module_loss`` cannot exist unless its module has been imported."""
+    torch_module = sys.modules.get("pergrad._src.torch_module")
+    if torch_module is None or not isinstance(spec.fn, torch_module.ModuleLoss):
+        return None, (
+            f"layer hooks need a PyTorch loss made with pergrad.module_loss(model, loss_fn); "
+            f"fn is a {type(spec.fn).__name__} on {call.backend.name}"
+        )
+    from pergrad._src import torch_hooks
+
+    params = call.backend.unflatten(call.treedefs[0], call.leaves[0])
+    plan = torch_hooks.plan(spec, spec.fn, params)
+    try:
+        if plan.unsupported:
+            raise torch_hooks.HooksUnsupported(torch_hooks.listing(plan.unsupported))
+        losses, grads = torch_hooks.value_and_grads(
+            spec, call, plan, single, diff_values, batched_values, batch_size
+        )
+    except torch_hooks.HooksUnsupported as err:
+        return None, str(err)
+    spec.last_strategy = "hooks"
+    return (losses, tuple(grads)), None
 
 
 def _loop(

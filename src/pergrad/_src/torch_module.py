@@ -7,7 +7,7 @@ parameters as an argument and the buffers as they are, the example given a batch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,12 +45,24 @@ class ModuleLoss:
         refuse_batch_mixing_layers(self.model, "module_loss")
         batched = [pytree.tree_map(_add_batch_axis, x) for x in example]
         inputs, targets = batched[: self.num_inputs], batched[self.num_inputs :]
-        buffers = dict(self.model.named_buffers())
-        output = functional_call(self.model, (params, buffers), tuple(inputs))
-        out = self.loss_fn(output, *targets)
+        out = self.loss_fn(self.forward(params, inputs), *targets)
         if isinstance(out, tuple) and len(out) == 2:  # (loss, aux), for has_aux=True
             return _as_scalar(out[0]), out[1]
         return _as_scalar(out)
+
+    def forward(self, params: dict[str, torch.Tensor] | None, inputs: Sequence[Any]) -> Any:
+        """The model's output on batched ``inputs``: with ``params`` in place of its own
+        parameters (``functional_call``), or, for ``params=None``, with its own. A dict input
+        is passed as keyword arguments, as ``model(**batch)``."""
+        args = [x for x in inputs if not isinstance(x, Mapping)]
+        kwargs: dict[str, Any] = {}
+        for x in inputs:
+            if isinstance(x, Mapping):
+                kwargs.update(x)
+        if params is None:
+            return self.model(*args, **kwargs)
+        buffers = dict(self.model.named_buffers())
+        return functional_call(self.model, (params, buffers), tuple(args), kwargs)
 
 
 def _as_scalar(loss: Any) -> Any:
@@ -72,7 +84,10 @@ def module_loss(model: nn.Module, loss_fn: Callable[..., Any], num_inputs: int =
       loss_fn: a batch loss, ``loss_fn(output, *targets) -> scalar``, e.g.
         ``torch.nn.functional.cross_entropy``. It is called on a batch of one example.
       num_inputs: how many of the per-example arguments go to the model (the rest go to
-        ``loss_fn``). Default 1: ``loss(params, x, y)`` runs ``loss_fn(model(x), y)``.
+        ``loss_fn``). Default 1: ``loss(params, x, y)`` runs ``loss_fn(model(x), y)``. A model
+        input that is a dict is passed as keyword arguments: with Hugging Face models,
+        ``loss(params, {"input_ids": ids, "attention_mask": mask}, labels)`` runs
+        ``loss_fn(model(input_ids=..., attention_mask=...), labels)``.
 
     Example::
 

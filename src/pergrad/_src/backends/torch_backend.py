@@ -65,7 +65,20 @@ class TorchBackend:
             with torch.enable_grad():
                 out = fn(leaves, example)
                 loss = out[0] if has_aux else out
-                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+                try:
+                    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+                except RuntimeError as err:
+                    if "use_reentrant=True" not in str(err):
+                        raise
+                    raise PergradValueError(
+                        "per_example_grads: fn uses activation checkpointing with "
+                        "use_reentrant=True, which torch cannot differentiate with "
+                        "torch.autograd.grad, so no loop over examples can run it. Use "
+                        "use_reentrant=False (PyTorch's recommendation; Hugging Face: "
+                        "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                        "{'use_reentrant': False})), or, for a pergrad.module_loss whose layers "
+                        "all have rules, strategy='hooks'."
+                    ) from err
             grads = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
             value = (loss.detach(), _detach(out[1])) if has_aux else loss.detach()
             return value, grads

@@ -28,6 +28,8 @@ from typing import Any
 # A rule takes the layer and its calls in one forward pass, and returns each of the layer's own
 # parameters' per-example squared gradient norms: {"weight": (B,), "bias": (B,)}.
 SquaredNormsFn = Callable[[Any, list[Any]], dict[str, Any]]
+# The same calls -> each parameter's per-example gradients: {"weight": (B, *weight.shape), ...}.
+PerExampleFn = Callable[[Any, list[Any]], dict[str, Any]]
 # Why a particular layer instance cannot use its family's rule (None: it can).
 ProblemFn = Callable[[Any], "str | None"]
 
@@ -42,14 +44,20 @@ class LayerRule:
         layer's :class:`~pergrad._src.ghost.torch_layers.LayerCall` records of one forward pass.
       problem: ``problem(layer) -> str | None``: why this instance is not covered (an Embedding
         with ``max_norm``, say), or None.
+      per_example: ``per_example(layer, calls) -> {param_name: (B, *param_shape)}``, the
+        per-example gradients themselves, for the ``"hooks"`` strategy of
+        :func:`pergrad.per_example_grads`.
     """
 
     name: str
     squared_norms: SquaredNormsFn
     problem: ProblemFn
+    per_example: PerExampleFn
 
 
-_RULES: dict[type, LayerRule] = {}
+# Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
+# import (Hugging Face's Conv1D): importing transformers to register a rule would cost seconds.
+_RULES: dict[type | str, LayerRule] = {}
 
 
 def _no_problem(layer: Any) -> None:
@@ -57,16 +65,19 @@ def _no_problem(layer: Any) -> None:
 
 
 def register(
-    *layer_types: type, name: str | None = None, problem: ProblemFn = _no_problem
+    *layer_types: type | str,
+    name: str,
+    per_example: PerExampleFn,
+    problem: ProblemFn = _no_problem,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
-    """Decorator: register ``squared_norms`` as the ghost rule of ``layer_types``.
+    """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
-    Types are matched exactly, not by subclass: a subclass may override ``forward`` and compute
-    something the rule does not know about.
+    A type is a class, or the ``"module.QualName"`` of one. Types are matched exactly, not by
+    subclass: a subclass may override ``forward`` and compute something the rule does not know.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
-        rule = LayerRule(name or squared_norms.__name__, squared_norms, problem)
+        rule = LayerRule(name, squared_norms, problem, per_example)
         for layer_type in layer_types:
             _RULES[layer_type] = rule
         return squared_norms
@@ -76,4 +87,6 @@ def register(
 
 def rule_for(layer: Any) -> LayerRule | None:
     """The rule registered for ``type(layer)``, or None."""
-    return _RULES.get(type(layer))
+    cls = type(layer)
+    rule = _RULES.get(cls)
+    return rule if rule is not None else _RULES.get(f"{cls.__module__}.{cls.__qualname__}")

@@ -21,9 +21,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pergrad._src.api import _Call, _loop, _single_example_fn, _Spec
+from pergrad._src.api import _Call, _loop, _single_example_fn, _Spec, vmap_failure
 from pergrad._src.backends import Backend
-from pergrad._src.errors import FallbackWarning, is_pergrad_error
+from pergrad._src.errors import FallbackWarning
 
 # Default chunk: as many examples as keep chunk_size x P under this many gradient numbers
 # (128 MB in float32): big enough that per-chunk overhead vanishes, small next to B x P.
@@ -61,7 +61,7 @@ def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn |
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     squared = (
         None
-        if spec.use_loop
+        if spec.resolved == "loop"
         else _vectorised_squared_norms(spec, bk, single, diff, batched, chunk_size)
     )
     if squared is None:  # the framework could not vectorise fn
@@ -90,21 +90,16 @@ def _vectorised_squared_norms(
     try:
         return list(vectorised(diff, batched))
     except Exception as err:
-        if is_pergrad_error(err):
-            raise
-        explained = bk.explain_failure(err)
-        if explained is not None:
-            raise explained from err
+        cause = vmap_failure(bk, err)
         # If one example fails on its own, the problem is in fn and its own error is clearest.
         _loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
         warnings.warn(
-            f"{spec.func_name}: {bk.name} could not vectorise fn "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Falling back to one "
-            f"example at a time: the same result, but slower.",
+            f"{spec.func_name}: {bk.name} could not vectorise fn ({cause}). Falling back to "
+            f"one example at a time: the same result, but slower.",
             FallbackWarning,
             stacklevel=5,
         )
-        spec.use_loop = True
+        spec.resolved = "loop"
         return None
 
 

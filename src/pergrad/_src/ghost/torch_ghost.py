@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.func import functional_call
 
 from pergrad._src.api import _Call, _Spec
 from pergrad._src.errors import PergradValueError, is_pergrad_error
@@ -122,12 +121,12 @@ def ghost(
     diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
     batched = [call.leaves[i][j] for i, j in call.batched_positions]
     args = call.rebuild(diff, batched)
-    inputs, targets, target_dims = _model_and_loss_arguments(call, args, loss.num_inputs)
+    inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
     modules = {name: model.get_submodule(name) for name in layers}
     with torch.enable_grad():
-        with _capturing(modules, batch_size) as records:
-            output = functional_call(model, (args[0], dict(model.named_buffers())), inputs)
-        losses = _per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+        with capturing(modules, batch_size) as records:
+            output = loss.forward(args[0], inputs)
+        losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
         batch_grads = torch.autograd.grad(
             losses.sum(), diff, retain_graph=weights_from is not None, allow_unused=True
         )
@@ -148,8 +147,8 @@ def ghost(
     return Reduction(squared, [torch.zeros_like(x) if s is None else s for x, s in zip(diff, sums)])
 
 
-def _model_and_loss_arguments(
-    call: _Call, args: list[Any], num_inputs: int
+def model_and_loss_arguments(
+    call: _Call, args: list[Any], num_inputs: int, batch_size: int
 ) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
     """The model's batched inputs, the loss function's arguments and their ``vmap`` dims.
 
@@ -163,7 +162,7 @@ def _model_and_loss_arguments(
         dims = [0 if (i, j) in batched else None for j in range(len(leaves))]
         if i <= num_inputs:
             leaves = [
-                x.unsqueeze(0).expand(call.batch_size, *x.shape)
+                x.unsqueeze(0).expand(batch_size, *x.shape)
                 if d is None and isinstance(x, torch.Tensor)
                 else x
                 for x, d in zip(leaves, dims)
@@ -183,14 +182,20 @@ class _Record:
 
 
 @contextmanager
-def _capturing(
-    modules: dict[str, nn.Module], batch_size: int
-) -> Iterator[dict[str, list[_Record]]]:
+def capturing(modules: dict[str, nn.Module], batch_size: int) -> Iterator[dict[str, list[_Record]]]:
     """Forward hooks that record each call of ``modules`` (by name); removed on the way out."""
     records: dict[str, list[_Record]] = {name: [] for name in modules}
 
-    def hook(name: str, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+    def hook(name: str, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         first = inputs[0] if inputs else None
+        expanded = None
+        if _broadcast_lookup(module, first, output, batch_size):
+            # Position embeddings: one (1, T) row of indices shared by the batch, its output
+            # broadcast against the (B, T, D) token embeddings. Expanding it to B rows changes
+            # no value and gives each example its own output gradient.
+            first = first.expand(batch_size, *first.shape[1:])
+            inputs = (first, *inputs[1:])
+            output = expanded = output.expand(batch_size, *output.shape[1:])
         if not (
             isinstance(first, torch.Tensor)
             and isinstance(output, torch.Tensor)
@@ -207,6 +212,7 @@ def _capturing(
         records[name].append(record)
         if output.requires_grad:
             output.register_hook(lambda grad: setattr(record, "output_grad", grad))
+        return expanded
 
     handles = [
         module.register_forward_hook(functools.partial(hook, name))
@@ -219,7 +225,19 @@ def _capturing(
             handle.remove()
 
 
-def _per_example_losses(
+def _broadcast_lookup(module: nn.Module, first: Any, output: Any, batch_size: int) -> bool:
+    return (
+        isinstance(module, nn.Embedding)
+        and batch_size > 1
+        and isinstance(first, torch.Tensor)
+        and isinstance(output, torch.Tensor)
+        and first.dim() > 1
+        and first.shape[0] == 1
+        and output.shape[0] == 1
+    )
+
+
+def per_example_losses(
     spec: _Spec,
     loss: ModuleLoss,
     output: Any,
@@ -229,12 +247,24 @@ def _per_example_losses(
 ) -> torch.Tensor:
     """``loss_fn`` on each example's output row, as ``module_loss`` calls it: ``(B,)``."""
 
-    def loss_of_row(output_row: Any, *target_rows: Any) -> Any:
-        rows = [pytree.tree_map(_add_batch_axis, x) for x in (output_row, *target_rows)]
-        return _as_scalar(loss.loss_fn(*rows))
+    # Output leaves with the batch on axis 0 are split by example; anything else (a Hugging Face
+    # key-value cache object, a shared tensor) is passed to every row as it is.
+    leaves, treedef = pytree.tree_flatten(output)
+    split = [
+        isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves
+    ]
+    batched_leaves = [x for x, b in zip(leaves, split) if b]
+
+    def loss_of_row(leaf_rows: list[Any], *target_rows: Any) -> Any:
+        rows = iter(leaf_rows)
+        output_row = pytree.tree_unflatten(
+            [next(rows) if b else x for x, b in zip(leaves, split)], treedef
+        )
+        batch_of_one = [pytree.tree_map(_add_batch_axis, x) for x in (output_row, *target_rows)]
+        return _as_scalar(loss.loss_fn(*batch_of_one))
 
     try:
-        losses = torch.func.vmap(loss_of_row, in_dims=(0, *target_dims))(output, *targets)
+        losses = torch.func.vmap(loss_of_row, in_dims=(0, *target_dims))(batched_leaves, *targets)
     except Exception as err:
         if is_pergrad_error(err):
             raise
@@ -242,7 +272,7 @@ def _per_example_losses(
         # row fails too, that error, from the user's loss_fn, is the clearest.
         losses = torch.stack(
             [
-                loss_of_row(*_row(index, (output, *targets), (0, *target_dims)))
+                loss_of_row(*_row(index, (batched_leaves, *targets), (0, *target_dims)))
                 for index in range(batch_size)
             ]
         )

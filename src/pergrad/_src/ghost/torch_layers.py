@@ -4,12 +4,13 @@ Each rule sees the layer's calls in one forward pass over the whole batch (the i
 the gradient of the summed per-example losses with respect to its output, batch first) and
 returns ``{param_name: (B,)}`` squared norms without forming the ``(B, *param_shape)``
 per-example gradients, except where those are as small as the activations (normalisation
-layers). A layer called several times in one pass (a shared block) is handled by treating every
+layers). Each family also has a ``per_example`` function that forms those gradients from the same
+calls, for the ``"hooks"`` strategy of :func:`pergrad.per_example_grads`. A layer called several times in one pass (a shared block) is handled by treating every
 call's positions as more tokens of one sequence: the per-example gradient is the sum over calls.
 
 Families covered: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
 ``nn.Conv2d`` (stride, padding incl. ``"same"`` and non-zero padding modes, dilation, groups),
-``nn.Embedding``, ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm*d`` and
+``nn.Embedding``, Hugging Face's ``Conv1D`` (GPT-2's linear layers), ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm*d`` and
 ``nn.BatchNorm*d`` in eval mode.
 """
 
@@ -73,15 +74,46 @@ def _squared(per_example: torch.Tensor) -> torch.Tensor:
     return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
 
 
-@register(nn.Linear, name="linear")
-def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+def _tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, Any]:
+    """Every call's inputs ``(B, N, width_in)`` and output gradients ``(B, N, width_out)``, the
+    positions of all calls side by side (a layer called twice is one layer seeing more tokens)."""
     batch = calls[0].output_grad.shape[0]
-    activations = torch.cat(
-        [c.inputs[0].reshape(batch, -1, layer.in_features) for c in calls], dim=1
-    )
-    output_grads = torch.cat(
-        [c.output_grad.reshape(batch, -1, layer.out_features) for c in calls], dim=1
-    )
+    activations = torch.cat([c.inputs[0].reshape(batch, -1, width_in) for c in calls], dim=1)
+    output_grads = torch.cat([c.output_grad.reshape(batch, -1, width_out) for c in calls], dim=1)
+    return activations, output_grads
+
+
+def linear_per_example(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    activations, output_grads = _tokens(calls, layer.in_features, layer.out_features)
+    result = {"weight": torch.einsum("bnq,bnp->bqp", output_grads, activations)}
+    if layer.bias is not None:
+        result["bias"] = output_grads.sum(1)
+    return result
+
+
+@register(nn.Linear, name="linear", per_example=linear_per_example)
+def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    activations, output_grads = _tokens(calls, layer.in_features, layer.out_features)
+    result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
+    if layer.bias is not None:
+        result["bias"] = _squared(output_grads.sum(1))
+    return result
+
+
+def hf_conv1d_per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    """Hugging Face's ``Conv1D`` is a linear layer with the weight stored ``(in, out)``."""
+    width_in, width_out = layer.weight.shape
+    activations, output_grads = _tokens(calls, width_in, width_out)
+    result = {"weight": torch.einsum("bnp,bnq->bpq", activations, output_grads)}
+    if layer.bias is not None:
+        result["bias"] = output_grads.sum(1)
+    return result
+
+
+@register("transformers.pytorch_utils.Conv1D", name="hf_conv1d", per_example=hf_conv1d_per_example)
+def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    width_in, width_out = layer.weight.shape
+    activations, output_grads = _tokens(calls, width_in, width_out)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
     if layer.bias is not None:
         result["bias"] = _squared(output_grads.sum(1))
@@ -117,10 +149,9 @@ def _conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor
     return patches.reshape(batch, groups, width // groups, positions).transpose(-1, -2)
 
 
-@register(nn.Conv1d, nn.Conv2d, name="conv", problem=_conv_problem)
-def conv_squared_norms(
-    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
+def _conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[Any, Any]:
+    """Patches ``(B, G, L, C_in / G * prod(kernel))`` and output gradients ``(B, G, L, C_out / G)``
+    of every call, positions side by side."""
     batch = calls[0].output_grad.shape[0]
     groups, channels_out = layer.groups, layer.out_channels
     patches = torch.cat([_conv_patches(layer, c.inputs[0]) for c in calls], dim=2)
@@ -131,6 +162,26 @@ def conv_squared_norms(
         ],
         dim=2,
     )
+    return patches, output_grads
+
+
+def conv_per_example(
+    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    patches, output_grads = _conv_tokens(layer, calls)
+    batch = patches.shape[0]
+    weight = torch.einsum("bglq,bglp->bgqp", output_grads, patches)
+    result = {"weight": weight.reshape(batch, *layer.weight.shape)}
+    if layer.bias is not None:
+        result["bias"] = output_grads.sum(2).reshape(batch, -1)
+    return result
+
+
+@register(nn.Conv1d, nn.Conv2d, name="conv", per_example=conv_per_example, problem=_conv_problem)
+def conv_squared_norms(
+    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
+) -> dict[str, torch.Tensor]:
+    patches, output_grads = _conv_tokens(layer, calls)
     result = {"weight": outer_product_squared_norms(patches, output_grads)}
     if layer.bias is not None:
         result["bias"] = _squared(output_grads.sum(2))
@@ -147,18 +198,39 @@ def _embedding_problem(layer: nn.Embedding) -> str | None:
     return None
 
 
-@register(nn.Embedding, name="embedding", problem=_embedding_problem)
-def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    """Per example, the output gradients of the positions that look up the same row add up;
-    the squared norm is the sum over the distinct rows of the squared norm of that sum."""
+def _lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any]:
+    """The rows looked up ``(B, N)``, their output gradients ``(B, N, D)`` (zero for the padding
+    row, which gets no gradient) and one key per (example, row): ``example * V + row``."""
     batch = calls[0].output_grad.shape[0]
     width = layer.embedding_dim
     indices = torch.cat([c.inputs[0].reshape(batch, -1) for c in calls], dim=1)
     output_grads = torch.cat([c.output_grad.reshape(batch, -1, width) for c in calls], dim=1)
-    if layer.padding_idx is not None:  # the padding row gets no gradient
+    if layer.padding_idx is not None:
         output_grads = output_grads * (indices != layer.padding_idx).unsqueeze(-1)
     example = torch.arange(batch, device=indices.device).unsqueeze(1)
-    keys = (example * layer.num_embeddings + indices).reshape(-1)  # one key per (example, row)
+    keys = (example * layer.num_embeddings + indices).reshape(-1)
+    return indices, output_grads, keys
+
+
+def embedding_per_example(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    _, output_grads, keys = _lookups(layer, calls)
+    batch, width = output_grads.shape[0], layer.embedding_dim
+    grads = output_grads.new_zeros(batch * layer.num_embeddings, width)
+    grads.index_add_(0, keys, output_grads.reshape(-1, width))
+    return {"weight": grads.reshape(batch, layer.num_embeddings, width)}
+
+
+@register(
+    nn.Embedding,
+    name="embedding",
+    per_example=embedding_per_example,
+    problem=_embedding_problem,
+)
+def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    """Per example, the output gradients of the positions that look up the same row add up;
+    the squared norm is the sum over the distinct rows of the squared norm of that sum."""
+    indices, output_grads, keys = _lookups(layer, calls)
+    batch, width = output_grads.shape[0], layer.embedding_dim
     unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
     row_sums = output_grads.new_zeros(unique_keys.shape[0], width)
     row_sums.index_add_(0, row_of_position, output_grads.reshape(-1, width))
@@ -172,13 +244,13 @@ def _sum_over(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.sum(dims) if dims else x
 
 
-def _affine_squared_norms(
+def _affine_per_example(
     layer: nn.Module, calls: list[LayerCall], normalize: Any, reduce_dims: Any
 ) -> dict[str, torch.Tensor]:
     """Per-example gradients of an elementwise affine ``y = x_hat * weight + bias``.
 
-    They are as small as one activation (``(B, *weight_shape)``), so they are formed:
-    ``sum (x_hat * d)`` and ``sum d`` over the dimensions the parameters are broadcast along.
+    They are as small as one activation (``(B, *weight_shape)``), so the ghost rules form them
+    too: ``sum (x_hat * d)`` and ``sum d`` over the dimensions the parameters are broadcast along.
     """
     weight_grads, bias_grads = 0, 0
     for call in calls:
@@ -190,10 +262,30 @@ def _affine_squared_norms(
             bias_grads = bias_grads + _sum_over(output_grad, dims)
     result = {}
     if getattr(layer, "weight", None) is not None:
-        result["weight"] = _squared(weight_grads)
+        result["weight"] = weight_grads
     if getattr(layer, "bias", None) is not None:
-        result["bias"] = _squared(bias_grads)
+        result["bias"] = bias_grads
     return result
+
+
+def _register_affine(
+    *layer_types: type,
+    name: str,
+    normalizer: Any,
+    reduce_dims: Any,
+    problem: Any = None,
+) -> None:
+    """Register a normalisation layer family: ``normalizer(layer)`` gives ``x -> x_hat`` and
+    ``reduce_dims(layer)`` gives ``x -> the dimensions the affine parameters broadcast along``."""
+
+    def per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+        return _affine_per_example(layer, calls, normalizer(layer), reduce_dims(layer))
+
+    def squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+        return {k: _squared(g) for k, g in per_example(layer, calls).items()}
+
+    extra = {} if problem is None else {"problem": problem}
+    register(*layer_types, name=name, per_example=per_example, **extra)(squared_norms)
 
 
 def _trailing_norm_dims(layer: nn.Module) -> Any:
@@ -201,45 +293,37 @@ def _trailing_norm_dims(layer: nn.Module) -> Any:
     return lambda x: tuple(range(1, x.dim() - len(layer.normalized_shape)))
 
 
-@register(nn.LayerNorm, name="layer_norm")
-def layer_norm_squared_norms(
-    layer: nn.LayerNorm, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
+def _channel_dims(layer: nn.Module) -> Any:
+    """Every dimension of ``(B, C, *spatial)`` but the batch and the channels."""
+    return lambda x: tuple(range(2, x.dim()))
 
-    return _affine_squared_norms(layer, calls, normalize, _trailing_norm_dims(layer))
 
+_register_affine(
+    nn.LayerNorm,
+    name="layer_norm",
+    normalizer=lambda layer: (
+        lambda x: F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
+    ),
+    reduce_dims=_trailing_norm_dims,
+)
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+    _register_affine(
+        nn.RMSNorm,
+        name="rms_norm",
+        normalizer=lambda layer: lambda x: F.rms_norm(x, layer.normalized_shape, None, layer.eps),
+        reduce_dims=_trailing_norm_dims,
+    )
 
-    @register(nn.RMSNorm, name="rms_norm")
-    def rms_norm_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-        def normalize(x: torch.Tensor) -> torch.Tensor:
-            return F.rms_norm(x, layer.normalized_shape, None, layer.eps)
-
-        return _affine_squared_norms(layer, calls, normalize, _trailing_norm_dims(layer))
-
-
-def _channel_dims(x: torch.Tensor) -> tuple[int, ...]:
-    """Every dimension of ``(B, C, *spatial)`` but the batch and the channels."""
-    return tuple(range(2, x.dim()))
-
-
-@register(nn.GroupNorm, name="group_norm")
-def group_norm_squared_norms(
-    layer: nn.GroupNorm, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        return F.group_norm(x, layer.num_groups, None, None, layer.eps)
-
-    return _affine_squared_norms(layer, calls, normalize, _channel_dims)
+_register_affine(
+    nn.GroupNorm,
+    name="group_norm",
+    normalizer=lambda layer: lambda x: F.group_norm(x, layer.num_groups, None, None, layer.eps),
+    reduce_dims=_channel_dims,
+)
 
 
-@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, name="instance_norm")
-def instance_norm_squared_norms(
-    layer: nn.Module, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
+def _instance_normalizer(layer: nn.Module) -> Any:
     def normalize(x: torch.Tensor) -> torch.Tensor:
         if layer.training or not layer.track_running_stats:  # each example's own statistics
             return F.instance_norm(x, eps=layer.eps)
@@ -247,7 +331,17 @@ def instance_norm_squared_norms(
             x, layer.running_mean, layer.running_var, use_input_stats=False, eps=layer.eps
         )
 
-    return _affine_squared_norms(layer, calls, normalize, _channel_dims)
+    return normalize
+
+
+_register_affine(
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    name="instance_norm",
+    normalizer=_instance_normalizer,
+    reduce_dims=_channel_dims,
+)
 
 
 def _batch_norm_problem(layer: nn.Module) -> str | None:
@@ -256,17 +350,16 @@ def _batch_norm_problem(layer: nn.Module) -> str | None:
     return None
 
 
-@register(
+_register_affine(
     nn.BatchNorm1d,
     nn.BatchNorm2d,
     nn.BatchNorm3d,
     name="batch_norm_eval",
-    problem=_batch_norm_problem,
-)
-def batch_norm_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        return F.batch_norm(
+    normalizer=lambda layer: (
+        lambda x: F.batch_norm(
             x, layer.running_mean, layer.running_var, None, None, False, 0.0, layer.eps
         )
-
-    return _affine_squared_norms(layer, calls, normalize, _channel_dims)
+    ),
+    reduce_dims=_channel_dims,
+    problem=_batch_norm_problem,
+)

@@ -1,0 +1,202 @@
+"""Time of each per-example-gradient strategy on Hugging Face GPT-2 and BERT, batch 32.
+
+Run:  python benchmarks/strategies.py [--quick] [--out PATH]
+
+Models are built from small configs (nothing downloaded): GPT-2 (causal LM loss, 4 layers,
+width 128, vocab 2000, sequence 32) and BERT (sequence classification, same sizes), each with an
+attention mask that pads some examples, without and with activation checkpointing
+(``gradient_checkpointing_enable()``, non-reentrant). For each, side by side in one run:
+
+* ``batch grad``: ``loss.backward()`` of the mean loss over the batch: the floor;
+* ``auto``: ``pergrad.per_example_grads(loss)``, and which strategy it took;
+* ``vmap`` / ``hooks`` / ``loop``: each strategy forced (``vmap`` fails on some: reported);
+* the relative error of each against the loop (the reference), in the same run.
+
+Median over ``--repeats`` after one warm-up call (which also runs the hooks' first-call checks).
+Prints a markdown table; ``--out PATH`` also writes it with the machine named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # opacus ships a `benchmarks` too
+import pergrad  # noqa: E402
+from benchmarks.report import machine_info  # noqa: E402
+
+STRATEGIES = ("auto", "vmap", "hooks", "loop")
+
+
+def build(kind: str, checkpointing: bool, quick: bool) -> tuple[Any, Any, tuple[Any, ...]]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    width, layers, vocab, seq, batch = (32, 1, 200, 8, 4) if quick else (128, 4, 2000, 32, 32)
+    torch.manual_seed(0)
+    if kind == "GPT-2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_positions=seq,
+            n_embd=width,
+            n_layer=layers,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=4 * width,
+            max_position_embeddings=seq,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=4,
+        )
+        model = transformers.BertForSequenceClassification(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # Hugging Face checkpoints in training mode only; dropout is 0
+    else:
+        model.eval()
+    ids = torch.randint(1, vocab, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[::2, seq * 3 // 4 :] = 0  # every other example padded
+    inputs = {"input_ids": ids * mask, "attention_mask": mask}
+    if kind == "GPT-2":
+        target = (ids * mask).masked_fill(mask == 0, -100)
+
+        def loss_fn(output: Any, labels: Any) -> Any:
+            logits = output.logits[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    else:
+        target = torch.randint(0, 4, (batch,))
+
+        def loss_fn(output: Any, labels: Any) -> Any:
+            return F.cross_entropy(output.logits, labels)
+
+    return model, loss_fn, (inputs, target)
+
+
+def timed(fn: Any, repeats: int) -> tuple[float, Any]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, out
+
+
+def relative_error(got: dict, want: dict) -> float:
+    num = sum(float(((got[k] - want[k]) ** 2).sum()) for k in want)
+    den = sum(float((want[k] ** 2).sum()) for k in want)
+    return (num / den) ** 0.5
+
+
+def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list[dict]:
+    model, loss_fn, (inputs, target) = build(kind, checkpointing, quick)
+    loss = pergrad.module_loss(model, loss_fn)
+    name = f"{kind}{' + checkpointing' if checkpointing else ''}"
+
+    def batch_grad() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(**inputs), target).backward()
+
+    floor_ms, _ = timed(batch_grad, repeats)
+    model.zero_grad(set_to_none=True)
+    rows = [{"model": name, "method": "batch grad", "ms": floor_ms, "taken": "", "error": None}]
+    results = {}
+    for strategy in STRATEGIES:
+        fn = pergrad.per_example_grads(loss, strategy=strategy)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ms, grads = timed(lambda fn=fn: fn(loss.params(), inputs, target), repeats)
+        except ValueError as err:
+            rows.append(
+                {"model": name, "method": strategy, "ms": None, "taken": "fails", "error": None}
+            )
+            print(f"  {name} / {strategy}: {str(err)[:120]}", file=sys.stderr)
+            continue
+        results[strategy] = grads
+        rows.append(
+            {"model": name, "method": strategy, "ms": ms, "taken": fn.last_strategy, "error": None}
+        )
+    for row in rows:
+        if row["method"] in results:
+            row["error"] = relative_error(results[row["method"]], results["loop"])
+    loop_ms = next(r["ms"] for r in rows if r["method"] == "loop")
+    for row in rows:
+        row["ratio"] = None if row["ms"] is None else row["ms"] / floor_ms
+        row["speedup"] = None if row["ms"] is None else loop_ms / row["ms"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def fmt(value: Any, spec: str, suffix: str = "") -> str:
+        return "—" if value is None else f"{value:{spec}}{suffix}"
+
+    lines = [
+        "| model | method | strategy taken | ms | / batch grad | speed-up over loop | rel. error vs loop |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['method']} | {r['taken']} | {fmt(r['ms'], '.1f')} | "
+            f"{fmt(r['ratio'], '.2f', 'x')} | {fmt(r['speedup'], '.1f', 'x')} | "
+            f"{fmt(r['error'], '.1e')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    rows = []
+    for kind in ("GPT-2", "BERT"):
+        for checkpointing in (False, True):
+            rows += run_model(kind, checkpointing, repeats, args.quick)
+    text = table(rows)
+    print(text)
+    if args.out is not None:
+        info = machine_info()
+        header = (
+            "# Per-example gradient strategies on Hugging Face models\n\n"
+            f"Produced by `python benchmarks/strategies.py` on {info['cpu']} "
+            f"({info['cores']} cores, torch threads {info['torch_threads']}, GPU: "
+            f"{info['gpu'] or 'none'}), Python {info['python']}, torch "
+            f"{info['versions']['torch']}, transformers {_version('transformers')}, "
+            f"{info['date']}. Batch 32, sequence 32, 4 layers, width 128, vocab 2000; "
+            f"median of {repeats} after a warm-up.\n\n"
+        )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(header + text + "\n")
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+if __name__ == "__main__":
+    main()

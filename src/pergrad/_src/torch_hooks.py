@@ -1,0 +1,378 @@
+"""The ``"hooks"`` strategy of :func:`pergrad.per_example_grads`: per-example gradients from layer
+hooks, for PyTorch models wrapped by :func:`pergrad.module_loss`.
+
+Where ``torch.func.vmap`` cannot batch a model (activation checkpointing, Hugging Face attention
+masks with data-dependent branches, custom ``autograd.Function`` s without a vmap rule), plain
+autograd still runs it on the whole batch. The hooks keep, for every layer owning a parameter,
+its input and the gradient at its output; each layer family's rule (``ghost/torch_layers.py``)
+turns those into the per-example gradients of its parameters (for a linear layer,
+``sum_t d_t a_t^T`` per example). One forward and one backward pass over the batch, as Opacus's
+``GradSampleModule`` and BackPACK's ``BatchGrad`` do.
+
+It is only used when it is right, and checked while it runs:
+
+- every differentiated parameter must belong to layers with a rule (:func:`plan`); a parameter
+  shared by several layers (GPT-2's tied input and output embeddings) gets the sum of the
+  per-example gradients of each use, as autograd gives;
+- the per-example gradients must add up to the batch gradient of the same backward pass; a use
+  of a parameter the hooks did not see (``F.linear(x, self.fc.weight)`` in a parent module)
+  breaks that sum and the call is refused (``"auto"`` then loops);
+- on the first call, the first 64 examples are run alone (forward only) and must get the loss
+  they got in the batch, and example 0's gradient alone must equal row 0: a model whose output
+  for one example depends on the others (batch statistics, an ``if`` on a batch-wide value) is
+  refused the same way. (Not with ``randomness="different"``: the draws differ run to run.)
+
+Activation checkpointing with ``use_reentrant=True`` recomputes the forward pass with the model's
+own parameters and cannot be differentiated with ``torch.autograd.grad``; for it, the batch is
+run through the model's own parameters with ``.backward()``, and every parameter's ``.grad``
+is put back as it was afterwards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pergrad._src.api import _Call, _Spec
+from pergrad._src.errors import PergradValueError
+from pergrad._src.ghost import rule_for
+from pergrad._src.ghost.torch_ghost import (
+    GhostUnsupported,
+    capturing,
+    model_and_loss_arguments,
+    per_example_losses,
+)
+from pergrad._src.ghost.torch_layers import LayerCall
+from pergrad._src.torch_module import ModuleLoss, refuse_batch_mixing_layers
+
+# The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
+# the summation's rounding (sum_i |g_i| <= sqrt(B sum_i |g_i|^2)) times a few ulps.
+_SUM_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+_SPOT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
+_LOSS_CHECKS = 64  # examples whose loss alone is compared on the first call
+
+
+class HooksUnsupported(Exception):
+    """This call cannot take the hooks strategy; the message says why."""
+
+
+@dataclass(frozen=True)
+class HooksPlan:
+    """Which layers the hooks must watch, and what they cannot cover.
+
+    Attributes:
+      owners: parameter name (as in ``params``) -> the ``(module_name, attribute)`` of every
+        layer using it (two for tied weights).
+      unsupported: parameter or module name -> why the hooks cannot give its gradients.
+    """
+
+    owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({module for uses in self.owners.values() for module, _ in uses})
+
+
+def plan(spec: _Spec, loss: Any, params: Any) -> HooksPlan:
+    """Check, without running anything, whether the hooks can give every parameter's gradient."""
+    if not isinstance(loss, ModuleLoss):
+        return HooksPlan(unsupported={"fn": "layer hooks need a loss made by pergrad.module_loss"})
+    if spec.argnums != (0,) or not spec.single_argnum:
+        return HooksPlan(unsupported={"argnums": "the hooks differentiate the parameters only"})
+    if spec.has_aux:
+        return HooksPlan(unsupported={"has_aux": "the hooks take a loss without aux outputs"})
+    if spec.randomness == "same":
+        return HooksPlan(
+            unsupported={"randomness": "'same' (one draw for all examples) needs a loop"}
+        )
+    if not (
+        isinstance(params, dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items())
+    ):
+        return HooksPlan(unsupported={"params": "the hooks need a dict[str, Tensor] of parameters"})
+    model = loss.model
+    uses_of: dict[int, list[tuple[str, str]]] = {}
+    by_name = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, attribute = name.rpartition(".")
+        uses_of.setdefault(id(param), []).append((module_name, attribute))
+        by_name[name] = param
+    owners, unsupported = {}, {}
+    for name in params:
+        if name not in by_name:
+            unsupported[name] = "not a parameter of the model"
+            continue
+        uses = uses_of[id(by_name[name])]
+        for module_name, _ in uses:
+            module = model.get_submodule(module_name)
+            rule = rule_for(module)
+            problem = rule.problem(module) if rule is not None else None
+            if rule is None:
+                unsupported[module_name or name] = f"no layer rule for {type(module).__name__}"
+            elif problem is not None:
+                unsupported[module_name or name] = f"{type(module).__name__}: {problem}"
+        owners[name] = uses
+    return HooksPlan(owners, unsupported)
+
+
+def own_parameters(loss: ModuleLoss, params: dict[str, torch.Tensor]) -> bool:
+    """Whether ``params`` are views of the model's own parameters (as ``loss.params()`` gives)."""
+    by_name = dict(loss.model.named_parameters(remove_duplicate=False))
+    return all(
+        name in by_name
+        and value.data_ptr() == by_name[name].data_ptr()
+        and value.shape == by_name[name].shape
+        and value.stride() == by_name[name].stride()
+        for name, value in params.items()
+    )
+
+
+def value_and_grads(
+    spec: _Spec,
+    call: _Call,
+    hooks_plan: HooksPlan,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+) -> tuple[Any, list[Any]]:
+    """``(losses (B,), per-example gradient leaves)`` by the hooks, chunk by chunk.
+
+    Raises :class:`HooksUnsupported` when a check fails (see the module docstring).
+    """
+    loss: ModuleLoss = spec.fn  # type: ignore[assignment]
+    refuse_batch_mixing_layers(loss.model, spec.func_name)
+    chunk = spec.chunk_size or batch_size
+    results = []
+    for start in range(0, batch_size, chunk):
+        rows = tuple(v[start : start + chunk] for v in batched_values)
+        results.append(
+            _one_pass(spec, call, hooks_plan, diff_values, rows, min(chunk, batch_size - start))
+        )
+    losses = torch.cat([r[0] for r in results])
+    grads = [torch.cat(column) for column in zip(*(r[1] for r in results))]
+    if not spec.hooks_checked:
+        _check_examples_independent(
+            spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
+        )
+        spec.hooks_checked = True
+    return losses, grads
+
+
+def _check_examples_independent(
+    spec: _Spec,
+    call: _Call,
+    hooks_plan: HooksPlan,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    losses: torch.Tensor,
+    grads: list[Any],
+) -> None:
+    """The hooks run the model on the whole batch; per-example gradients are defined on one
+    example at a time. They agree when examples do not interact (no batch statistics, no branch
+    on a batch-wide value): checked on the first call by running examples alone, the losses of
+    the first ``_LOSS_CHECKS`` (forward passes only) and the gradient of example 0."""
+    batch_size = losses.shape[0]
+    if batch_size < 2 or spec.randomness == "different":  # random draws differ run to run
+        return
+    problem = (
+        "the model's output for an example depends on the other examples in the batch "
+        "(batch statistics, or a branch on a value of the whole batch)"
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. checkpointing's no-grad notes, said once already
+        for index in range(min(batch_size, _LOSS_CHECKS)):
+            alone = single(diff_values, tuple(v[index] for v in batched_values))
+            if not _close(losses[index], alone, _SPOT_TOLERANCE):
+                raise HooksUnsupported(f"{problem}: example {index}'s loss differs when alone")
+    _, alone_grads = _one_pass(
+        spec, call, hooks_plan, diff_values, tuple(v[:1] for v in batched_values), 1
+    )
+    errors = [torch.linalg.vector_norm(g[0] - a[0]) for g, a in zip(grads, alone_grads)]
+    scales = [torch.linalg.vector_norm(a[0]) for a in alone_grads]
+    largest = max((float(s) for s in scales), default=0.0)
+    for error, scale, alone in zip(errors, scales, alone_grads):
+        # as in _check_sums: a gradient that cancels to rounding noise is judged at the
+        # scale of the whole model's gradient
+        allowed = _SPOT_TOLERANCE.get(alone.dtype, 1e-2) * scale
+        if error > allowed + torch.finfo(alone.dtype).eps * largest:
+            raise HooksUnsupported(f"{problem}: example 0's gradient differs when alone")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: dict[Any, float]) -> bool:
+    scale = torch.linalg.vector_norm(want) + torch.finfo(want.dtype).tiny
+    error = torch.linalg.vector_norm(got - want)
+    return bool(error <= tolerance.get(want.dtype, 1e-2) * scale)
+
+
+def _one_pass(
+    spec: _Spec,
+    call: _Call,
+    hooks_plan: HooksPlan,
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+) -> tuple[Any, list[Any]]:
+    loss: ModuleLoss = spec.fn  # type: ignore[assignment]
+    model = loss.model
+    modules = {name: model.get_submodule(name) for name in hooks_plan.modules}
+    diff = [x.detach().requires_grad_(True) for x in diff_values]
+    args = call.rebuild(diff, batched_values)
+    params = args[0]
+    inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
+    rng = torch.random.get_rng_state()
+    try:
+        try:
+            losses, records, batch_grads = _forward_backward(
+                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size
+            )
+        except RuntimeError as err:
+            if "use_reentrant=True" not in str(err):
+                raise
+            losses, records, batch_grads = _forward_backward_own(
+                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size
+            )
+    except GhostUnsupported as err:
+        raise HooksUnsupported(str(err)) from err
+    if spec.randomness in (None, "error") and not torch.equal(rng, torch.random.get_rng_state()):
+        raise PergradValueError(
+            f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "
+            f"randomness='different' for independent randomness per example, or switch it "
+            f"off (model.eval())."
+        )
+    per_example = _gather(modules, records)
+    position = {id(leaf): k for k, leaf in enumerate(diff)}
+    grads: list[Any] = [None] * len(diff)
+    for name, value in params.items():
+        k = position[id(value)]
+        total = None
+        for module_name, attribute in hooks_plan.owners[name]:
+            part = per_example.get((module_name, attribute))
+            if part is not None:
+                total = part if total is None else total + part
+        if total is None:  # no use of the parameter reached the loss
+            total = value.new_zeros(batch_size, *value.shape)
+        grads[k] = total.detach()
+    _check_sums(params, position, grads, batch_grads)
+    return losses.detach(), grads
+
+
+def _forward_backward(
+    spec: _Spec,
+    loss: ModuleLoss,
+    params: dict[str, torch.Tensor],
+    diff: list[torch.Tensor],
+    modules: dict[str, nn.Module],
+    inputs: tuple[Any, ...],
+    targets: list[Any],
+    target_dims: list[Any],
+    batch_size: int,
+) -> tuple[Any, Any, list[Any]]:
+    """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched."""
+    with torch.enable_grad(), capturing(modules, batch_size) as records:
+        output = loss.forward(params, inputs)
+        losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+        batch_grads = torch.autograd.grad(losses.sum(), diff, allow_unused=True)
+    return losses, records, list(batch_grads)
+
+
+def _forward_backward_own(
+    spec: _Spec,
+    loss: ModuleLoss,
+    params: dict[str, torch.Tensor],
+    diff: list[torch.Tensor],
+    modules: dict[str, nn.Module],
+    inputs: tuple[Any, ...],
+    targets: list[Any],
+    target_dims: list[Any],
+    batch_size: int,
+) -> tuple[Any, Any, list[Any]]:
+    """The batch through the model's own parameters and ``.backward()`` (reentrant
+    checkpointing); every ``.grad`` is restored afterwards. Batch gradients in ``diff`` order."""
+    if not own_parameters(loss, params):
+        raise HooksUnsupported(
+            "checkpointing with use_reentrant=True recomputes the forward pass with the "
+            "model's own parameters, and params are not those (pass loss.params())"
+        )
+    model = loss.model
+    own = dict(model.named_parameters())
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    leaf_names = {id(leaf): name for name, leaf in params.items()}
+    saved = {name: p.grad for name, p in own.items()}
+    try:
+        for p in own.values():
+            p.grad = None
+        with torch.enable_grad(), capturing(modules, batch_size) as records:
+            output = loss.forward(None, inputs)
+            losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+            losses.sum().backward()
+        batch_grads = [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
+    finally:
+        for name, p in own.items():
+            p.grad = saved[name]
+    return losses, records, batch_grads
+
+
+def _gather(
+    modules: dict[str, nn.Module], records: dict[str, list[Any]]
+) -> dict[tuple[str, str], torch.Tensor]:
+    """``(module_name, attribute) -> (B, *shape)`` from each layer's rule."""
+    result = {}
+    for module_name, module in modules.items():
+        for record in records[module_name]:
+            versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
+            if versions != record.input_versions:
+                raise HooksUnsupported(
+                    f"the input of layer {module_name!r} was modified in place after the "
+                    f"layer read it"
+                )
+        calls = [LayerCall(r.inputs, r.output_grad) for r in records[module_name]]
+        calls = [c for c in calls if c.output_grad is not None]
+        if not calls:  # never called, or its output did not reach the loss
+            continue
+        with torch.no_grad():
+            for attribute, grads in rule_for(module).per_example(module, calls).items():
+                result[(module_name, attribute)] = grads
+    return result
+
+
+def _check_sums(
+    params: dict[str, torch.Tensor], position: dict[int, int], grads: list[Any], batch_grads: Any
+) -> None:
+    """Each parameter's per-example gradients must add up to its batch gradient.
+
+    Allowed error: ``tolerance * sqrt(B * sum_i |g_i|^2)`` (a bound on the summation's rounding,
+    as ``sum_i |g_i| <= sqrt(B sum_i |g_i|^2)``), plus the dtype's epsilon times the largest such
+    scale of any parameter: a gradient that cancels to rounding noise (an attention key's bias,
+    whose gradient is exactly zero) is compared at the scale of the whole model's gradients.
+    """
+    checks = []
+    for name, leaf in params.items():
+        per_example = grads[position[id(leaf)]]
+        batch_grad = batch_grads[position[id(leaf)]]
+        total = per_example.sum(0)
+        want = torch.zeros_like(total) if batch_grad is None else batch_grad.detach()
+        scale = (per_example.shape[0] * (per_example**2).sum()).sqrt()
+        scale = scale + torch.linalg.vector_norm(want)
+        checks.append((name, torch.linalg.vector_norm(total - want), scale, want.dtype))
+    if not checks:
+        return
+    largest = max(float(scale) for _, _, scale, _ in checks)
+    for name, error, scale, dtype in checks:
+        allowed = _SUM_TOLERANCE.get(dtype, 1e-2) * scale + torch.finfo(dtype).eps * largest
+        if error > allowed:
+            raise HooksUnsupported(
+                f"the per-example gradients of {name!r} from the layer hooks do not add up to "
+                f"its batch gradient: the parameter is used outside the forward pass of its layer"
+            )
+
+
+def listing(unsupported: dict[str, str]) -> str:
+    return "; ".join(f"{k!r}: {v}" for k, v in unsupported.items())
