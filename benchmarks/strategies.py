@@ -12,7 +12,8 @@ attention mask that pads some examples, without and with activation checkpointin
 * ``vmap`` / ``hooks`` / ``loop``: each strategy forced (``vmap`` fails on some: reported);
 * the relative error of each against the loop (the reference), in the same run.
 
-Median over ``--repeats`` after one warm-up call (which also runs the hooks' first-call checks).
+Median over ``--repeats`` interleaved rounds (each round runs every method once) after one
+warm-up call each (which also runs the hooks' first-call checks).
 Prints a markdown table; ``--out PATH`` also writes it with the machine named.
 """
 
@@ -92,14 +93,16 @@ def build(kind: str, checkpointing: bool, quick: bool) -> tuple[Any, Any, tuple[
     return model, loss_fn, (inputs, target)
 
 
-def timed(fn: Any, repeats: int) -> tuple[float, Any]:
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, out
+def interleaved(methods: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median ms of each method over ``rounds``; each round runs every method once, in turn,
+    so that a slow spell of the machine hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def relative_error(got: dict, want: dict) -> float:
@@ -117,33 +120,35 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
         model.zero_grad(set_to_none=True)
         loss_fn(model(**inputs), target).backward()
 
-    floor_ms, _ = timed(batch_grad, repeats)
-    model.zero_grad(set_to_none=True)
-    rows = [{"model": name, "method": "batch grad", "ms": floor_ms, "taken": "", "error": None}]
+    methods: dict[str, Any] = {"batch grad": batch_grad}
+    taken: dict[str, str] = {"batch grad": ""}
     results = {}
     for strategy in STRATEGIES:
         fn = pergrad.per_example_grads(loss, strategy=strategy)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ms, grads = timed(lambda fn=fn: fn(loss.params(), inputs, target), repeats)
+                results[strategy] = fn(loss.params(), inputs, target)  # warm-up, first-call checks
         except ValueError as err:
-            rows.append(
-                {"model": name, "method": strategy, "ms": None, "taken": "fails", "error": None}
-            )
+            taken[strategy] = "fails"
             print(f"  {name} / {strategy}: {str(err)[:120]}", file=sys.stderr)
             continue
-        results[strategy] = grads
-        rows.append(
-            {"model": name, "method": strategy, "ms": ms, "taken": fn.last_strategy, "error": None}
+        taken[strategy] = fn.last_strategy
+        methods[strategy] = lambda fn=fn: fn(loss.params(), inputs, target)
+    batch_grad()  # warm-up
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ms = interleaved(methods, repeats)
+    model.zero_grad(set_to_none=True)
+    rows = []
+    for method in ("batch grad", *STRATEGIES):
+        row = {"model": name, "method": method, "taken": taken[method], "ms": ms.get(method)}
+        row["error"] = (
+            relative_error(results[method], results["loop"]) if method in results else None
         )
-    for row in rows:
-        if row["method"] in results:
-            row["error"] = relative_error(results[row["method"]], results["loop"])
-    loop_ms = next(r["ms"] for r in rows if r["method"] == "loop")
-    for row in rows:
-        row["ratio"] = None if row["ms"] is None else row["ms"] / floor_ms
-        row["speedup"] = None if row["ms"] is None else loop_ms / row["ms"]
+        row["ratio"] = None if row["ms"] is None else row["ms"] / ms["batch grad"]
+        row["speedup"] = None if row["ms"] is None else ms["loop"] / row["ms"]
+        rows.append(row)
     return rows
 
 
@@ -167,7 +172,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
@@ -186,7 +191,7 @@ def main() -> None:
             f"{info['gpu'] or 'none'}), Python {info['python']}, torch "
             f"{info['versions']['torch']}, transformers {_version('transformers')}, "
             f"{info['date']}. Batch 32, sequence 32, 4 layers, width 128, vocab 2000; "
-            f"median of {repeats} after a warm-up.\n\n"
+            f"median of {repeats} interleaved rounds after a warm-up.\n\n"
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(header + text + "\n")

@@ -55,3 +55,28 @@ def test_memory_probe_runs_in_a_subprocess() -> None:
 
     result = measure("linreg", "torch loop", 32)
     assert result["peak_mib"] is not None and result["peak_mib"] >= 0, result
+
+
+def test_strategies_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/strategies.py --quick: every strategy that runs agrees with the loop, and the
+    models vmap cannot batch take the hooks."""
+    pytest.importorskip("transformers", reason="the strategies benchmark runs Hugging Face models")
+    out = tmp_path / "strategies.md"
+    command = [sys.executable, "benchmarks/strategies.py", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# Per-example gradient strategies")
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # no header rows
+    rows = [line.split("|")[1:-1] for line in lines]
+    rows = [[cell.strip() for cell in row] for row in rows]
+    assert {r[0] for r in rows} == {
+        "GPT-2",
+        "GPT-2 + checkpointing",
+        "BERT",
+        "BERT + checkpointing",
+    }
+    for model, method, taken, _, _, _, error in rows:
+        if method == "auto":
+            assert taken in ("vmap", "hooks"), (model, taken)
+        if error != "—":
+            assert float(error) < 1e-4, (model, method, error)
