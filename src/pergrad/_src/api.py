@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pergrad._src import axes as axes_lib
-from pergrad._src.backends import Backend, available_backend_names, frameworks_in, get_backend
+from pergrad._src.backends import (
+    Backend,
+    available_backend_names,
+    framework_names_in,
+    frameworks_in,
+    get_backend,
+)
 from pergrad._src.errors import (
     FallbackWarning,
     PergradTypeError,
@@ -655,6 +661,9 @@ def _resolve_axes(
 
 
 def _select_backend(spec: _Spec, args: tuple[Any, ...]) -> Backend:
+    names = set().union(*(framework_names_in(arg) for arg in args))
+    if len(names) == 1 and spec.backend in (None, *names):  # the common case, without paths
+        return get_backend(next(iter(names)))
     owners: dict[str, list[str]] = {}
     for index, arg in enumerate(args):
         for framework, path, kind in frameworks_in(arg):

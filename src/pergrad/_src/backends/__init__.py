@@ -47,6 +47,9 @@ class Backend(Protocol):
     def flatten(self, tree: Any) -> tuple[list[str], list[Any], Any]:
         """Leaves of ``tree`` with their paths (``"['w']"`` style) and the structure."""
 
+    def leaves(self, tree: Any) -> list[Any]:
+        """Leaves of ``tree`` only: cheaper than :meth:`flatten` (no paths)."""
+
     def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any: ...
 
     def broadcast_prefix(self, prefix: Any, tree: Any) -> list[Any] | None:
@@ -172,6 +175,18 @@ def backend_of(tree: Any, func_name: str, arg_name: str) -> Backend:
     raise PergradTypeError(
         f"{func_name}: {arg_name} mixes arrays of {' and '.join(kinds)}; pass one framework's."
     )
+
+
+def framework_names_in(tree: Any) -> set[str]:
+    """The frameworks whose arrays ``tree`` holds; like :func:`frameworks_in` without the paths,
+    for the common case where there is nothing to report."""
+    found = set()
+    for name, import_name in _FRAMEWORK_IMPORT_NAMES.items():
+        if import_name in sys.modules:
+            backend = get_backend(name)
+            if any(backend.owns(leaf) for leaf in backend.leaves(tree)):
+                found.add(name)
+    return found
 
 
 def frameworks_in(tree: Any) -> list[tuple[str, str, type]]:

@@ -30,6 +30,9 @@ class JaxBackend:
         leaves = [leaf for _, leaf in with_paths]
         return paths, leaves, treedef
 
+    def leaves(self, tree: Any) -> list[Any]:
+        return jax.tree_util.tree_leaves(tree)
+
     def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any:
         return jax.tree_util.tree_unflatten(treedef, list(leaves))
 

@@ -27,6 +27,9 @@ class TorchBackend:
         leaves = [leaf for _, leaf in with_paths]
         return paths, leaves, treedef
 
+    def leaves(self, tree: Any) -> list[Any]:
+        return pytree.tree_leaves(tree)
+
     def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(list(leaves), treedef)
 
