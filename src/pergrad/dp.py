@@ -16,6 +16,15 @@ shape under ``jax.jit``) and ``PoissonBatchSampler`` (a torch ``batch_sampler``)
 The framework-free pieces (``clip``, ``clipped_sum``, ``add_noise``, ``private_mean``) take
 per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need JAX and optax,
 ``DPOptimizer`` needs PyTorch; they are imported when first used.
+
+Several JAX devices: ``shard_batch`` splits a batch over a mesh for ``jax.jit`` (clipping then
+happens where the examples live; only the summed gradient crosses devices); inside
+``jax.shard_map`` pass ``axis_name=`` to ``clipped_sum`` / ``optax_aggregate`` or call
+``psum_clipped``. See ``examples/sharded_dp_jax.py``.
+
+Data-parallel DP-SGD over ``torch.distributed``: ``DPOptimizer(..., distributed=True)`` with
+``PoissonBatchSampler(..., num_replicas=world_size, rank=rank)`` in every process (and
+``broadcast_parameters`` to start them from the same weights); the noise is added once per step.
 """
 
 from typing import Any
@@ -29,8 +38,11 @@ _LAZY = {
     "optax_aggregate": "pergrad._src.dp_optax",
     "dpsgd": "pergrad._src.dp_optax",
     "PrivateAggregateState": "pergrad._src.dp_optax",
+    "psum_clipped": "pergrad._src.sharding",
+    "shard_batch": "pergrad._src.sharding",
     "DPOptimizer": "pergrad._src.dp_torch",
     "DPStep": "pergrad._src.dp_torch",
+    "broadcast_parameters": "pergrad._src.dp_distributed",
     "PoissonBatchSampler": "pergrad._src.torch_sampling",
     "collate_with_empty_batches": "pergrad._src.torch_sampling",
 }

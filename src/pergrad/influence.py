@@ -13,6 +13,11 @@ For large models, :func:`project` maps per-example gradients to a small dimensio
 (seeded random projection, the same in both frameworks); :func:`grad_dot` and
 :func:`grad_cosine` take the projected ``(n, k)`` arrays as they are. :func:`top_k` streams over a training set
 given as batches and keeps each test example's top-k proponents and opponents.
+
+A training set split over processes or devices: score each shard with ``top_k(..., offset=)``
+(or :func:`top_k_from_scores` on scores of projected gradients), then :func:`merge_top_k` the
+shards' results (or :func:`all_gather_top_k` over ``torch.distributed``); the merged result
+equals the single-process one, ties included.
 """
 
 from pergrad._src.ihvp import CG, Exact, InfluenceWarning, LiSSA
@@ -25,7 +30,13 @@ from pergrad._src.influence import (
     tracin,
 )
 from pergrad._src.projection import project
-from pergrad._src.streaming import TopK, top_k
+from pergrad._src.streaming import (
+    TopK,
+    all_gather_top_k,
+    merge_top_k,
+    top_k,
+    top_k_from_scores,
+)
 
 __all__ = [
     "CG",
@@ -33,12 +44,15 @@ __all__ = [
     "InfluenceWarning",
     "LiSSA",
     "TopK",
+    "all_gather_top_k",
     "grad_cosine",
     "grad_dot",
     "influence_function",
     "inverse_hvp",
+    "merge_top_k",
     "project",
     "self_influence",
     "top_k",
+    "top_k_from_scores",
     "tracin",
 ]

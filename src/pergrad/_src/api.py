@@ -294,8 +294,10 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     call = _prepare(spec, args)
     bk = call.backend
     single = _single_example_fn(spec, call, kwargs)
-    diff_values = tuple(call.leaves[i][j] for i, j in call.diff_positions)
     batched_values = tuple(call.leaves[i][j] for i, j in call.batched_positions)
+    diff_values = bk.match_varying(
+        tuple(call.leaves[i][j] for i, j in call.diff_positions), batched_values
+    )
     if call.batch_size == 0:
         # Run one dummy example to learn the output shapes, then return empty arrays.
         padded = tuple(bk.zeros_example(v) for v in batched_values)

@@ -112,21 +112,34 @@ def clip(grads: Any, max_norm: Any) -> Any:
     return bk.unflatten(treedef, clipped)
 
 
-def clipped_sum(grads: Any, max_norm: Any, mask: Any = None) -> ClippedSum:
+def clipped_sum(
+    grads: Any, max_norm: Any, mask: Any = None, axis_name: str | tuple[str, ...] | None = None
+) -> ClippedSum:
     """Sum over the batch of per-example gradients clipped to ``max_norm``.
 
     The sum is taken as a weighted contraction (``factors @ leaf``), so neither a clipped copy
-    of the per-example gradients nor a second B x P array is made.
+    of the per-example gradients nor a second B x P array is made. Under ``jax.jit`` with the
+    batch sharded over devices, each device clips its own examples and only the ``P``-sized
+    sum crosses devices.
 
     Args:
       grads: per-example gradients, leaves ``(B, *param_shape)``.
       max_norm: a positive number, or a pytree prefix of ``grads`` with one bound per group.
       mask: optional ``(B,)`` booleans or 0/1, False for padding examples (a Poisson batch
         padded to a fixed size for ``jax.jit``); padding contributes nothing.
+      axis_name: JAX only, inside ``jax.shard_map``: the mesh axis the examples are split
+        over. ``grads`` are then this device's examples, and the result's ``sum``, ``count``
+        and ``clip_fraction`` cover all devices (see :func:`pergrad.dp.psum_clipped`).
 
     Returns:
       A :class:`ClippedSum`.
     """
+    if axis_name is not None:
+        from pergrad._src.sharding import check_axis_name, psum_clipped
+
+        check_axis_name("clipped_sum", axis_name)
+        local = clipped_sum(grads, max_norm, mask)
+        return psum_clipped(local, axis_name, func_name="clipped_sum")
     bk, _, flat, treedef, batch_size = _flat_leaves("clipped_sum", grads)
     ids, bounds = _groups("clipped_sum", bk, grads, max_norm)
     group_norms = _group_norms(flat, ids, len(bounds))
@@ -186,6 +199,7 @@ def private_mean(
     rng: Any,
     expected_batch_size: float | None = None,
     mask: Any = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> tuple[Any, ClippedSum]:
     """The DP-SGD gradient: clip each example, sum, add noise, divide by the batch size.
 
@@ -198,6 +212,10 @@ def private_mean(
         sampling, which the accounting assumes: dividing by the actual size would leak it).
         None divides by the number of real examples, as a fixed-size batch does.
       mask: ``(B,)`` real-example mask for padded batches.
+      axis_name: JAX only, inside ``jax.shard_map``: the mesh axis the examples are split
+        over. The clipped sums are added across devices first, then the noise is added once
+        (``rng`` must be the same key on every device) and the sum divided by the global
+        count or ``expected_batch_size``.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
@@ -206,7 +224,7 @@ def private_mean(
     check_noise_multiplier("private_mean", noise_multiplier)
     if expected_batch_size is not None:
         _check_positive("private_mean", "expected_batch_size", expected_batch_size)
-    clipped = clipped_sum(grads, max_norm, mask=mask)
+    clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name)
     noisy = add_noise(clipped.sum, noise_multiplier * clipped.sensitivity, rng)
     bk = backend_of(noisy, "private_mean", "grads")
     if expected_batch_size is None:

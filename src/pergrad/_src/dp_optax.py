@@ -10,6 +10,7 @@ import optax
 
 from pergrad._src.clipping import _check_positive, check_noise_multiplier, private_mean
 from pergrad._src.errors import PergradTypeError
+from pergrad._src.sharding import check_axis_name
 
 
 class PrivateAggregateState(NamedTuple):
@@ -25,6 +26,7 @@ def optax_aggregate(
     noise_multiplier: float,
     key: jax.Array | int,
     expected_batch_size: float | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The private aggregate of DP-SGD: per-example gradients in, one noisy mean gradient out.
 
@@ -43,11 +45,20 @@ def optax_aggregate(
     all-padding batch gives pure noise. Works under ``jax.jit``; ``state.clip_fraction`` holds
     the share of examples clipped in the last step.
 
+    Several devices: under ``jax.jit`` with the batch sharded over a mesh
+    (:func:`pergrad.dp.shard_batch`) and the state replicated, it needs nothing more: each
+    device clips its own examples and only the summed gradient crosses devices. Inside
+    ``jax.shard_map``, where ``update`` sees only the local examples, pass ``axis_name`` (the
+    mesh axis the examples are split over) and keep the state replicated (``PartitionSpec()``):
+    the clipped sums are added over the devices, then noise is added once from the shared key,
+    so the update equals the one-device update of the whole batch.
+
     Args:
       max_norm: clipping bound(s).
       noise_multiplier: >= 0; 0 gives clipping without privacy.
       key: a JAX PRNG key or an int seed (seed it from ``secrets.randbits(63)`` for real use).
-      expected_batch_size: the normaliser, see above.
+      expected_batch_size: the normaliser, see above (the global batch, on several devices).
+      axis_name: for use inside ``jax.shard_map`` only, see above.
     """
     if isinstance(key, int) and not isinstance(key, bool):
         key = jax.random.key(key)
@@ -60,6 +71,7 @@ def optax_aggregate(
         _check_positive("optax_aggregate", "expected_batch_size", expected_batch_size)
     if isinstance(max_norm, (int, float)):
         _check_positive("optax_aggregate", "max_norm", max_norm)
+    check_axis_name("optax_aggregate", axis_name)
 
     def init(params: Any) -> PrivateAggregateState:
         del params
@@ -76,7 +88,7 @@ def optax_aggregate(
         del params, extra
         next_key, noise_key = jax.random.split(state.key)
         mean, stats = private_mean(
-            updates, max_norm, noise_multiplier, noise_key, expected_batch_size, mask
+            updates, max_norm, noise_multiplier, noise_key, expected_batch_size, mask, axis_name
         )
         return mean, PrivateAggregateState(next_key, stats.clip_fraction, stats.count)
 
@@ -90,9 +102,13 @@ def dpsgd(
     key: jax.Array | int,
     expected_batch_size: float | None = None,
     momentum: float | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """DP-SGD as one optax optimizer: :func:`optax_aggregate` then ``optax.sgd``."""
+    """DP-SGD as one optax optimizer: :func:`optax_aggregate` then ``optax.sgd``.
+
+    ``axis_name`` is for use inside ``jax.shard_map``, as for :func:`optax_aggregate`.
+    """
     return optax.chain(
-        optax_aggregate(max_norm, noise_multiplier, key, expected_batch_size),
+        optax_aggregate(max_norm, noise_multiplier, key, expected_batch_size, axis_name),
         optax.sgd(learning_rate, momentum=momentum),
     )

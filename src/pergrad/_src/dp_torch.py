@@ -1,4 +1,4 @@
-"""DP-SGD for PyTorch: a wrapper around any ``torch.optim`` optimizer."""
+"""DP-SGD for PyTorch: a wrapper around any ``torch.optim`` optimizer, in one process or many."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.clipping import _check_positive, add_noise, check_noise_multiplier
+from pergrad._src.clipping import ClippedSum, _check_positive, add_noise, check_noise_multiplier
+from pergrad._src.dp_distributed import (
+    StepTotals,
+    all_reduce_totals,
+    check_same_across_ranks,
+    is_noise_rank,
+    process_group_of,
+)
 from pergrad._src.errors import PergradTypeError
 from pergrad._src.ghost.api import choose_strategy, clipped_sum_of
 from pergrad._src.torch_module import module_loss
@@ -19,7 +26,8 @@ from pergrad._src.torch_module import module_loss
 class DPStep:
     """What one private step did: the share of examples whose gradient was clipped, the batch
     size, and how the clipped sum was computed (``"ghost"``, ``"chunked"`` or
-    ``"materialize"``, see :func:`pergrad.norms.choose_strategy`)."""
+    ``"materialize"``, see :func:`pergrad.norms.choose_strategy`). With ``distributed``, the
+    clip fraction and batch size are over all processes, the strategy this process's."""
 
     clip_fraction: float
     batch_size: int
@@ -27,7 +35,7 @@ class DPStep:
 
 
 class DPOptimizer:
-    """DP-SGD around any ``torch.optim`` optimizer.
+    """DP-SGD around any ``torch.optim`` optimizer, in one process or across many.
 
         optimizer = pergrad.dp.DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model, F.cross_entropy,
@@ -45,10 +53,42 @@ class DPOptimizer:
     ``requires_grad=False`` are left out. An empty batch still takes a step (pure noise), as
     the accounting assumes. Pass an :class:`Accountant` to have it count the steps.
 
+    **Across processes** (``distributed=True``, after ``torch.distributed.init_process_group``;
+    gloo on CPU, nccl on GPU): every process builds the same model and this optimizer with the
+    same arguments, and steps on its own shard of each Poisson batch
+    (``PoissonBatchSampler(..., num_replicas=world_size, rank=rank)``, empty shards included).
+    Each process clips its own examples; one all-reduce sums the clipped sums over processes,
+    and the noise is drawn once per step, from rank 0's ``generator`` (the other ranks'
+    generators are not used), so the step equals the single-process step on the union of the
+    shards. ``expected_batch_size`` is the GLOBAL one (``sample_rate * dataset size``), and the
+    accountant takes the global ``sample_rate``. Do not wrap the model in
+    ``DistributedDataParallel`` (it would all-reduce unclipped gradients): start every process
+    from the same parameters (seed identically or :func:`pergrad.dp.broadcast_parameters`);
+    construction checks that they are the same, as are ``max_norm``, ``noise_multiplier``,
+    ``expected_batch_size`` and the accountant's settings.
+
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
     norm layers) the ghost strategy, about two batch gradients of time and no ``B x P`` memory;
-    otherwise per-example gradients ``chunk_size`` examples at a time.
+    otherwise per-example gradients ``chunk_size`` examples at a time. Distributed: one
+    all-reduce of ``P + 2`` numbers per step, and at construction two all-gathers and one pass
+    over the parameters' bytes.
+
+    Args:
+      optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
+      model: the ``nn.Module`` (not wrapped in ``DistributedDataParallel``).
+      loss_fn: a batch loss ``loss_fn(output, *targets)``, as for :func:`pergrad.module_loss`.
+      max_norm: clipping bound ``C``, > 0.
+      noise_multiplier: noise std divided by ``C``, >= 0.
+      expected_batch_size: divide the noisy sum by this (global) number; None divides by the
+        actual number of examples (over all processes when distributed).
+      generator: the ``torch.Generator`` of the noise (None: torch's global generator); seed
+        it securely for real privacy. Distributed: rank 0's is used.
+      num_inputs: how many batch arguments go to the model (the rest go to ``loss_fn``).
+      chunk_size, strategy: how the clipped sum is computed (see :func:`clipped_sum_of`).
+      accountant: an :class:`Accountant` whose ``step()`` is called once per step.
+      distributed: False (one process), True (the default ``torch.distributed`` process
+        group) or a ``torch.distributed.ProcessGroup``.
     """
 
     def __init__(
@@ -65,6 +105,7 @@ class DPOptimizer:
         chunk_size: int | None = None,
         strategy: str = "auto",
         accountant: Any = None,
+        distributed: bool | torch.distributed.ProcessGroup = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PergradTypeError(
@@ -75,6 +116,14 @@ class DPOptimizer:
         check_noise_multiplier("DPOptimizer", noise_multiplier)
         if expected_batch_size is not None:
             _check_positive("DPOptimizer", "expected_batch_size", expected_batch_size)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise PergradTypeError(
+                "DPOptimizer: model is wrapped in torch.nn.parallel.DistributedDataParallel; "
+                "pass the plain module (model.module) and distributed=True instead. DDP "
+                "all-reduces the unclipped gradients of backward(), which DP-SGD must not "
+                "release and pergrad does not use; DPOptimizer(distributed=True) all-reduces "
+                "the clipped sums itself and adds the noise once."
+            )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise PergradTypeError(
                 f"DPOptimizer: generator must be a torch.Generator or None; got "
@@ -90,6 +139,20 @@ class DPOptimizer:
         self._loss = module_loss(model, loss_fn, num_inputs=num_inputs)
         self.strategy = strategy
         self.chunk_size = chunk_size
+        self.process_group = process_group_of("DPOptimizer", distributed)
+        if self.process_group is not None:
+            check_same_across_ranks(
+                "DPOptimizer",
+                self.process_group,
+                dict(model.named_parameters()),
+                {
+                    "max_norm": self.max_norm,
+                    "noise_multiplier": self.noise_multiplier,
+                    "expected_batch_size": expected_batch_size,
+                    "accountant.sample_rate": getattr(accountant, "sample_rate", None),
+                    "accountant.noise_multiplier": getattr(accountant, "noise_multiplier", None),
+                },
+            )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -110,18 +173,31 @@ class DPOptimizer:
             strategy=self.strategy,
             chunk_size=self.chunk_size,
         )
-        noisy = add_noise(clipped.sum, self.noise_multiplier * self.max_norm, self.generator)
-        denominator = self.expected_batch_size or max(float(clipped.count), 1.0)
+        totals = self._noisy_totals(clipped)
+        denominator = self.expected_batch_size or max(totals.count, 1.0)
         for name, param in self.model.named_parameters():
-            if name in noisy:
-                param.grad = (noisy[name] / denominator).detach().to(param.dtype)
+            if name in totals.sum:
+                param.grad = (totals.sum[name] / denominator).detach().to(param.dtype)
         self.optimizer.step()
         if self.accountant is not None:
             self.accountant.step()
         return DPStep(
-            clip_fraction=float(clipped.clip_fraction),
-            batch_size=int(clipped.count),
+            clip_fraction=totals.clip_fraction,
+            batch_size=int(totals.count),
             strategy=choice.strategy,
+        )
+
+    def _noisy_totals(self, clipped: ClippedSum) -> StepTotals:
+        """The clipped sum plus the step's one noise draw; across processes, summed over them
+        with the noise drawn on rank 0 only."""
+        group = self.process_group
+        std = self.noise_multiplier * self.max_norm
+        if group is None:
+            noisy = add_noise(clipped.sum, std, self.generator)
+            return StepTotals(noisy, float(clipped.count), float(clipped.clip_fraction))
+        local = add_noise(clipped.sum, std, self.generator) if is_noise_rank(group) else clipped.sum
+        return all_reduce_totals(
+            local, torch.as_tensor(clipped.count), torch.as_tensor(clipped.clip_fraction), group
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,6 +7,9 @@ loader = torch.utils.data.DataLoader(
 )
 for x, y in loader:          # x: (batch_size, ...), batch_size varies and may be 0
     ...
+
+Across processes, each one passes ``num_replicas=world_size, rank=rank`` and gets its own shard
+of every batch; the union of the shards is the Poisson batch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
 from pergrad._src.accounting import check_count, check_sample_rate
-from pergrad._src.errors import PergradTypeError
+from pergrad._src.errors import PergradTypeError, PergradValueError
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -35,6 +38,17 @@ class PoissonBatchSampler(Sampler[list[int]]):
     ``len(sampler) == steps``. Iterating again draws new batches (the generator moves on).
     Each step draws ``num_examples`` uniform numbers: ``O(num_examples)``.
 
+    **Across processes** (data-parallel DP-SGD with ``DPOptimizer(distributed=True)``): every
+    process passes ``num_replicas`` (the world size) and its ``rank``. Example ``i`` belongs to
+    the shard of rank ``i % num_replicas``; each process draws the coin of every example, as
+    above, and keeps the included examples of its own shard. The union of the shards is thus a
+    Poisson sample of the whole dataset at ``sample_rate`` (every example independently with
+    that probability, in exactly one shard), whether the processes' generators are seeded alike
+    or not; seeded alike, it is exactly the batch this sampler yields with
+    ``num_replicas=1``. Every process yields ``steps`` batches, empty shards included, so all
+    of them take part in every step's all-reduce. Indices are into the whole dataset: give
+    every process's DataLoader the whole dataset.
+
     Args:
       num_examples: dataset size, an int ``>= 1``.
       sample_rate: inclusion probability, in ``(0, 1]``.
@@ -43,6 +57,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         (default) for one seeded from the operating system's secure source
         (``secrets.randbits(64)``). For a real privacy guarantee the sampling must be
         unpredictable to an adversary: do not use a fixed or guessable seed there.
+      num_replicas: the number of processes the batches are split across (the world size), an
+        int ``>= 1``; 1 (default) yields whole batches.
+      rank: this process's shard, an int in ``[0, num_replicas)``.
     """
 
     def __init__(
@@ -51,12 +68,22 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate: float,
         steps: int,
         generator: torch.Generator | None = None,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
         super().__init__()
         fn = "PoissonBatchSampler"
         self.num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
         self.sample_rate = check_sample_rate(fn, sample_rate)
         self.steps = check_count(fn, "steps", steps, minimum=0)
+        self.num_replicas = check_count(fn, "num_replicas", num_replicas, minimum=1)
+        self.rank = check_count(fn, "rank", rank, minimum=0)
+        if self.rank >= self.num_replicas:
+            raise PergradValueError(
+                f"{fn}: rank must be in [0, num_replicas={self.num_replicas}) (this process's "
+                f"shard), got {rank!r}."
+            )
         if generator is None:
             generator = torch.Generator().manual_seed(secrets.randbits(64))
         elif not isinstance(generator, torch.Generator):
@@ -69,15 +96,20 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
             draws = torch.rand(self.num_examples, generator=self.generator)
-            yield torch.nonzero(draws < self.sample_rate).flatten().tolist()
+            included = torch.nonzero(draws < self.sample_rate).flatten()
+            if self.num_replicas > 1:
+                included = included[included % self.num_replicas == self.rank]
+            yield included.tolist()
 
     def __len__(self) -> int:
         return self.steps
 
     def __repr__(self) -> str:
+        shard = f", num_replicas={self.num_replicas}, rank={self.rank}"
+        shard = shard if self.num_replicas > 1 else ""
         return (
             f"PoissonBatchSampler(num_examples={self.num_examples}, "
-            f"sample_rate={self.sample_rate:g}, steps={self.steps})"
+            f"sample_rate={self.sample_rate:g}, steps={self.steps}{shard})"
         )
 
 

@@ -74,6 +74,10 @@ class Backend(Protocol):
         """Like :meth:`value_and_grad`, for one example at a time outside any vmap; may use
         the framework's plain autodiff, which handles more than its function transforms."""
 
+    def match_varying(self, diff: tuple[Any, ...], batched: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The differentiated leaves, made to vary over the devices the batched leaves vary
+        over (JAX ``shard_map``); unchanged elsewhere."""
+
     def rng_state(self) -> Any:
         """The framework's global random state (None where randomness is explicit, as in JAX)."""
 

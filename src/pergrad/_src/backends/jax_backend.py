@@ -69,6 +69,23 @@ class JaxBackend:
     def loop_value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
         return self.value_and_grad(fn, has_aux)
 
+    def match_varying(self, diff: tuple[Any, ...], batched: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Inside ``shard_map`` (``check_vma=True``), make the parameters vary over the mesh axes
+        the examples vary over. Otherwise JAX reads parameters that are the same on every device
+        as shared by all examples of all devices, and sums each example's gradient over the
+        devices: example i would get the sum of the i-th gradients of every device."""
+        axes: frozenset[str] = frozenset()
+        for x in batched:
+            axes |= _varying_axes(x)
+        if not axes:
+            return diff
+        return tuple(
+            jax.lax.pcast(d, tuple(sorted(missing)), to="varying")
+            if (missing := axes - _varying_axes(d))
+            else d
+            for d in diff
+        )
+
     def rng_state(self) -> Any:
         return None  # JAX has no global random state: keys are arguments
 
@@ -150,24 +167,53 @@ class JaxBackend:
         return jax.lax.stop_gradient(x)
 
 
+def _varying_axes(x: Any) -> frozenset[str]:
+    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    try:
+        aval = jax.typeof(x)
+    except TypeError:
+        return frozenset()
+    manual = getattr(aval, "manual_axis_type", None)
+    varying = getattr(manual, "varying", None) if manual is not None else None
+    return frozenset(getattr(aval, "vma", ()) if varying is None else varying)
+
+
 def _chunked_vmap(
     fn: Callable[..., Any], in_axes: tuple[Any, ...], chunk_size: int
 ) -> Callable[..., Any]:
-    """vmap that runs ``chunk_size`` examples at a time through ``lax.map``.
+    """vmap that runs about ``chunk_size`` examples at a time through ``lax.map``.
 
     ``lax.map`` lowers to a loop, so under ``jit`` only one chunk's intermediates are live at
-    once. Batched arguments must be on axis 0 (the core moves them there).
+    once. Chunks are strided (chunk ``j`` holds examples ``j, j + n, j + 2n, ...``), not
+    contiguous: with the batch sharded over devices, every chunk then has examples on every
+    device, and each device works on its own examples instead of gathering the batch. The number
+    of chunks ``n`` is ``ceil(B / chunk_size)``, raised until it divides ``B``. Batched arguments
+    must be on axis 0 (the core moves them there).
     """
 
     def chunked(*args: Any) -> Any:
         mapped = [a for a, ax in zip(args, in_axes) if ax is not None]
+        batch = jax.tree_util.tree_leaves(mapped)[0].shape[0]
+        chunks = max(1, -(-batch // chunk_size))
+        while batch % chunks:
+            chunks += 1
 
-        def one_example(mapped_example: list[Any]) -> Any:
-            it = iter(mapped_example)
-            full = [next(it) if ax is not None else a for a, ax in zip(args, in_axes)]
-            return fn(*full)
+        def strided(x: Any) -> Any:  # (B, ...) -> (n, B / n, ...), row j = examples j::n
+            return x.reshape(batch // chunks, chunks, *x.shape[1:]).swapaxes(0, 1)
 
-        return jax.lax.map(one_example, mapped, batch_size=chunk_size)
+        def unstrided(y: Any) -> Any:
+            return y.swapaxes(0, 1).reshape(batch, *y.shape[2:])
+
+        def one_chunk(mapped_chunk: list[Any]) -> Any:
+            def one_example(mapped_example: list[Any]) -> Any:
+                it = iter(mapped_example)
+                full = [next(it) if ax is not None else a for a, ax in zip(args, in_axes)]
+                return fn(*full)
+
+            return jax.vmap(one_example)(mapped_chunk)
+
+        out = jax.lax.map(one_chunk, jax.tree_util.tree_map(strided, mapped))
+        return jax.tree_util.tree_map(unstrided, out)
 
     return chunked
 

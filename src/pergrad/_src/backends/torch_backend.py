@@ -88,6 +88,10 @@ class TorchBackend:
 
         return value_and_grad
 
+    def match_varying(self, diff: tuple[Any, ...], batched: tuple[Any, ...]) -> tuple[Any, ...]:
+        del batched  # only JAX's shard_map tracks what varies over devices
+        return diff
+
     def rng_state(self) -> Any:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
         return torch.random.get_rng_state(), cuda

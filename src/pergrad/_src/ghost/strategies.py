@@ -57,8 +57,9 @@ def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn |
     """Squared norms chunk by chunk, then (if ``weights_from``) one weighted batch gradient."""
     bk = call.backend
     single = _single_example_fn(spec, call, {})
-    diff = tuple(call.leaves[i][j] for i, j in call.diff_positions)
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
+    # inside shard_map: per-device parameters, so each sum stays on its device (see the backend)
+    diff = bk.match_varying(tuple(call.leaves[i][j] for i, j in call.diff_positions), batched)
     squared = (
         None
         if spec.resolved == "loop"
