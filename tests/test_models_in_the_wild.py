@@ -370,3 +370,68 @@ def test_hooks_strategy_on_jax_says_it_is_pytorch_only():
         pergrad.per_example_grads(lambda w, x: (w * x).sum(), strategy="hooks")(
             jnp.ones(3), jnp.ones((B, 3))
         )
+
+
+class MixesExamples(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("first_batch", [0, 1])
+def test_a_first_call_too_small_to_check_does_not_switch_the_check_off(first_batch):
+    torch.manual_seed(9)
+    model = MixesExamples()
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    fn = pergrad.per_example_grads(loss, strategy="hooks")
+    X, Y = data(9)
+    fn(loss.params(), X[:first_batch], Y[:first_batch])
+    with pytest.raises(ValueError, match="depends on the other examples"):
+        fn(loss.params(), X, Y)
+
+
+def test_auto_loops_when_the_batched_pass_fails():
+    class OneExampleOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 4)
+            self.b = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            if float(h.sum()) > 1e9:  # data-dependent: vmap fails
+                h = h * 0
+            return self.b(h.reshape(1, -1))  # written for a batch of one
+
+    torch.manual_seed(10)
+    model = OneExampleOnly()
+    X, Y = data(10)
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    grads, taken, fallbacks = run(loss, X, Y)
+    assert taken == "loop" and "batched pass failed" in fallbacks[0]
+    assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [X], [Y]))
+
+
+def test_a_mapping_pytrees_cannot_split_is_refused():
+    from collections import UserDict
+
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = Keywords()
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    X, Y = data(11)
+    with pytest.raises(TypeError, match=r"UserDict.*dict\(batch\)"):
+        pergrad.per_example_grads(loss)(loss.params(), UserDict(x=X), Y)
+    grads = pergrad.per_example_grads(loss)(loss.params(), {"x": X}, Y)
+    assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [{"x": X}], [Y]))

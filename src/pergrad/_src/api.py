@@ -440,6 +440,12 @@ def _hooks(
         )
     except torch_hooks.HooksUnsupported as err:
         return None, str(err)
+    except Exception as err:
+        if is_pergrad_error(err) or spec.strategy == "hooks":
+            raise
+        # The batch through the model failed (a model written for one example): under "auto"
+        # that is a reason to loop, which checks that one example runs on its own.
+        return None, f"the batched pass failed: {vmap_failure(call.backend, err)}"
     spec.last_strategy = "hooks"
     return (losses, tuple(grads)), None
 

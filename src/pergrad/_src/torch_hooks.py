@@ -25,7 +25,12 @@ It is only used when it is right, and checked while it runs:
 Activation checkpointing with ``use_reentrant=True`` recomputes the forward pass with the model's
 own parameters and cannot be differentiated with ``torch.autograd.grad``; for it, the batch is
 run through the model's own parameters with ``.backward()``, and every parameter's ``.grad``
-is put back as it was afterwards.
+(the model's and a loss module's) is put back as it was afterwards; hooks the user registered on
+parameters do fire in that backward pass.
+
+Limits: the independence check runs on the first call with two or more examples; a model that
+branches on a batch-wide value only on some later batch, or reorders the examples of a batch
+internally, is not caught after that. Pass ``strategy="loop"`` for such models.
 """
 
 from __future__ import annotations
@@ -158,10 +163,9 @@ def value_and_grads(
     losses = torch.cat([r[0] for r in results])
     grads = [torch.cat(column) for column in zip(*(r[1] for r in results))]
     if not spec.hooks_checked:
-        _check_examples_independent(
+        spec.hooks_checked = _check_examples_independent(
             spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
         )
-        spec.hooks_checked = True
     return losses, grads
 
 
@@ -174,14 +178,14 @@ def _check_examples_independent(
     batched_values: tuple[Any, ...],
     losses: torch.Tensor,
     grads: list[Any],
-) -> None:
+) -> bool:
     """The hooks run the model on the whole batch; per-example gradients are defined on one
     example at a time. They agree when examples do not interact (no batch statistics, no branch
     on a batch-wide value): checked on the first call by running examples alone, the losses of
     the first ``_LOSS_CHECKS`` (forward passes only) and the gradient of example 0."""
     batch_size = losses.shape[0]
     if batch_size < 2 or spec.randomness == "different":  # random draws differ run to run
-        return
+        return False  # not checked: the next call checks
     problem = (
         "the model's output for an example depends on the other examples in the batch "
         "(batch statistics, or a branch on a value of the whole batch)"
@@ -204,6 +208,7 @@ def _check_examples_independent(
         allowed = _SPOT_TOLERANCE.get(alone.dtype, 1e-2) * scale
         if error > allowed + torch.finfo(alone.dtype).eps * largest:
             raise HooksUnsupported(f"{problem}: example 0's gradient differs when alone")
+    return True
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tolerance: dict[Any, float]) -> bool:
@@ -227,7 +232,7 @@ def _one_pass(
     args = call.rebuild(diff, batched_values)
     params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
-    rng = torch.random.get_rng_state()
+    rng = call.backend.rng_state()
     try:
         try:
             losses, records, batch_grads = _forward_backward(
@@ -241,7 +246,7 @@ def _one_pass(
             )
     except GhostUnsupported as err:
         raise HooksUnsupported(str(err)) from err
-    if spec.randomness in (None, "error") and not torch.equal(rng, torch.random.get_rng_state()):
+    if spec.randomness in (None, "error") and call.backend.rng_state_changed(rng):
         raise PergradValueError(
             f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "
             f"randomness='different' for independent randomness per example, or switch it "
@@ -302,12 +307,15 @@ def _forward_backward_own(
             "model's own parameters, and params are not those (pass loss.params())"
         )
     model = loss.model
-    own = dict(model.named_parameters())
     by_name = dict(model.named_parameters(remove_duplicate=False))
     leaf_names = {id(leaf): name for name, leaf in params.items()}
-    saved = {name: p.grad for name, p in own.items()}
+    # .backward() writes .grad of every leaf it reaches: the model's, and a loss module's
+    touched = list(model.parameters())
+    if isinstance(loss.loss_fn, nn.Module):
+        touched += list(loss.loss_fn.parameters())
+    saved = [p.grad for p in touched]
     try:
-        for p in own.values():
+        for p in touched:
             p.grad = None
         with torch.enable_grad(), capturing(modules, batch_size) as records:
             output = loss.forward(None, inputs)
@@ -315,8 +323,8 @@ def _forward_backward_own(
             losses.sum().backward()
         batch_grads = [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
     finally:
-        for name, p in own.items():
-            p.grad = saved[name]
+        for p, grad in zip(touched, saved):
+            p.grad = grad
     return losses, records, batch_grads
 
 

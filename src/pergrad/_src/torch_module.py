@@ -43,6 +43,13 @@ class ModuleLoss:
                 f"params."
             )
         refuse_batch_mixing_layers(self.model, "module_loss")
+        for position, x in enumerate(example[: self.num_inputs]):
+            if isinstance(x, Mapping) and _is_one_leaf(x):
+                raise PergradTypeError(
+                    f"module_loss: model input {position} is a {type(x).__name__}, a mapping "
+                    f"torch's pytrees cannot split by example (a Hugging Face BatchEncoding?), "
+                    f"so every example would get the whole batch. Pass dict(batch) instead."
+                )
         batched = [pytree.tree_map(_add_batch_axis, x) for x in example]
         inputs, targets = batched[: self.num_inputs], batched[self.num_inputs :]
         out = self.loss_fn(self.forward(params, inputs), *targets)
@@ -63,6 +70,11 @@ class ModuleLoss:
             return self.model(*args, **kwargs)
         buffers = dict(self.model.named_buffers())
         return functional_call(self.model, (params, buffers), tuple(args), kwargs)
+
+
+def _is_one_leaf(x: Any) -> bool:
+    leaves = pytree.tree_leaves(x)
+    return len(leaves) == 1 and leaves[0] is x
 
 
 def _as_scalar(loss: Any) -> Any:
