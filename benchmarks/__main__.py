@@ -29,6 +29,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.core_overhead import paired_ratio, time_interleaved
+from benchmarks.machine import load_average
 from benchmarks.memory import measure
 from benchmarks.methods import FLOORS, LOOP, METHODS, METHODS_BY_NAME, max_abs_error
 from benchmarks.workloads import WORKLOADS, Workload, batch_sizes, build
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     if threads:
         torch.set_num_threads(threads)
     methods, skipped = available_methods()
-    load_at_start = report.load_average()
+    load_at_start = load_average()
     rows = []
     for name in args.workloads:
         workload = WORKLOADS[name]
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
             "warmup": warmup,
             "memory": memory_on,
             "load_average_start": load_at_start,
-            "load_average_end": report.load_average(),
+            "load_average_end": load_average(),
         },
         "skipped": skipped,
         "rows": rows,

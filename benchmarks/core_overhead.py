@@ -44,6 +44,9 @@ from torch.func import functional_call
 
 import pergrad
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
+
 Grads = dict[str, Any]  # parameter name -> per-example gradients, leading axis B
 Methods = dict[tuple[str, str], Callable[[], Any]]  # (framework, method) -> one timed call
 Timings = dict[tuple[str, str], list[float]]  # (framework, method) -> seconds of each round
@@ -329,16 +332,8 @@ def report(results: list[WorkloadResult], rounds: int) -> str:
     )
 
 
-def load_average() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def machine_header(args: argparse.Namespace, rounds: int, load_at_start: str) -> str:
-    cpu = "unknown CPU"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = models[0] if models else cpu
+    cpu = cpu_model()
     command = " ".join(["python", *sys.argv])
     return "\n".join(
         [

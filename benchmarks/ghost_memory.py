@@ -35,6 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
+from benchmarks.machine import cpu_model  # noqa: E402
+
 WIDTHS = (1024, 2048, 2048, 10)
 STRATEGIES = ("materialize", "chunked", "ghost")
 TASKS = ("norms", "clipped sum")
@@ -206,17 +209,6 @@ def table(results: dict[tuple[str, str], dict[str, Any]], notes: list[str]) -> s
     return "\n".join(lines + [""] + notes)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def header(args: argparse.Namespace, params: int) -> str:
     import jax
     import torch
@@ -226,7 +218,7 @@ def header(args: argparse.Namespace, params: int) -> str:
         [
             "# Per-example norms and clipped sums: memory and time by strategy (CPU)",
             "",
-            f"- machine: {cpu_name()}, {os.cpu_count()} cores; "
+            f"- machine: {cpu_model()}, {os.cpu_count()} cores; "
             f"threads per framework: {args.threads}",
             f"- python {platform.python_version()}, torch {torch.__version__}, "
             f"jax {jax.__version__}",

@@ -34,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
+
 L2 = 1e-2  # weight of (L2 / 2) |w|^2 in every example's loss
 N_TRAIN, N_LOO, SEED = 250, 50, 0
 
@@ -229,27 +232,18 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if models:
-            return models[0]
-    return platform.processor() or platform.machine()
-
-
 def machine_header(command: str) -> str:
     import jax
     import torch
 
     import pergrad
 
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     return "\n".join(
         [
             "# Influence functions against leave-one-out retraining",
             "",
-            f"- machine: {cpu_name()}, {os.cpu_count()} cores; load average at the end {load}",
+            f"- machine: {cpu_model()}, {os.cpu_count()} cores; load average at the end {load}",
             f"- python {platform.python_version()}, torch {torch.__version__}, jax "
             f"{jax.__version__}, numpy {np.__version__}, pergrad {pergrad.__version__}",
             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",

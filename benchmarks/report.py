@@ -11,21 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from benchmarks.core_overhead import markdown_table
+from benchmarks.machine import cpu_model
 
 PACKAGES = ("torch", "jax", "jaxlib", "numpy", "opacus", "backpack-for-pytorch", "pergrad")
-
-
-def load_average() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return models[0] if models else platform.processor() or "unknown CPU"
-    except OSError:
-        return platform.processor() or "unknown CPU"
 
 
 def gpu_name() -> str | None:

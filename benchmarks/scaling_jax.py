@@ -27,6 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
+
 DEVICE_COUNTS = (1, 2, 4)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu" / "scaling_jax.md"
 
@@ -98,15 +101,6 @@ def run_child(devices: int, sizes: list[int], batch: int, rounds: int, steps: in
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def cpu_model() -> str:
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if models:
-            return models[0]
-    return platform.processor() or platform.machine()
-
-
 def report(args: argparse.Namespace, sizes: list[int], runs: list[dict]) -> str:
     single = statistics.median(runs[0]["times"])
     rows = [
@@ -120,7 +114,7 @@ def report(args: argparse.Namespace, sizes: list[int], runs: list[dict]) -> str:
             f"| {run['devices']} | {median * 1e3:.1f} | {min(run['times']) * 1e3:.1f} | "
             f"{single / median:.2f}x | {listed or 'none'} |"
         )
-    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    load = load_average()
     header = [
         "# pergrad: DP-SGD step over sharded JAX devices (CPU)",
         "",

@@ -41,6 +41,9 @@ from torch import nn
 import pergrad
 from pergrad import dp
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
+
 MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.1
 
 
@@ -221,16 +224,8 @@ def report(
     )
 
 
-def load_average() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def machine_header(quick: bool, load_at_start: str) -> str:
-    cpu = "unknown CPU"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = models[0] if models else cpu
+    cpu = cpu_model()
     command = " ".join(["python", *sys.argv])
     return "\n".join(
         [

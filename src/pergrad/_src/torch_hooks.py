@@ -269,6 +269,27 @@ def _one_pass(
     return losses.detach(), grads
 
 
+def _batched_pass(
+    spec: _Spec,
+    loss: ModuleLoss,
+    params: dict[str, torch.Tensor] | None,
+    modules: dict[str, nn.Module],
+    inputs: tuple[Any, ...],
+    targets: list[Any],
+    target_dims: list[Any],
+    batch_size: int,
+    backward: Callable[[torch.Tensor], list[Any]],
+) -> tuple[Any, Any, list[Any]]:
+    """Forward the batch with the layers hooked, then ``backward(sum of losses)`` -> batch
+    gradients. The backward pass stays inside the hooks: reentrant checkpointing reruns the
+    forward pass there."""
+    with torch.enable_grad(), capturing(modules, batch_size) as records:
+        output = loss.forward(params, inputs)
+        losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+        batch_grads = backward(losses.sum())
+    return losses, records, batch_grads
+
+
 def _forward_backward(
     spec: _Spec,
     loss: ModuleLoss,
@@ -281,11 +302,13 @@ def _forward_backward(
     batch_size: int,
 ) -> tuple[Any, Any, list[Any]]:
     """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched."""
-    with torch.enable_grad(), capturing(modules, batch_size) as records:
-        output = loss.forward(params, inputs)
-        losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        batch_grads = torch.autograd.grad(losses.sum(), diff, allow_unused=True)
-    return losses, records, list(batch_grads)
+
+    def backward(total: torch.Tensor) -> list[Any]:
+        return list(torch.autograd.grad(total, diff, allow_unused=True))
+
+    return _batched_pass(
+        spec, loss, params, modules, inputs, targets, target_dims, batch_size, backward
+    )
 
 
 def _forward_backward_own(
@@ -317,15 +340,17 @@ def _forward_backward_own(
     try:
         for p in touched:
             p.grad = None
-        with torch.enable_grad(), capturing(modules, batch_size) as records:
-            output = loss.forward(None, inputs)
-            losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-            losses.sum().backward()
-        batch_grads = [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
+
+        def backward(total: torch.Tensor) -> list[Any]:
+            total.backward()
+            return [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
+
+        return _batched_pass(
+            spec, loss, None, modules, inputs, targets, target_dims, batch_size, backward
+        )
     finally:
         for p, grad in zip(touched, saved):
             p.grad = grad
-    return losses, records, batch_grads
 
 
 def _gather(
