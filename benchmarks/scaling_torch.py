@@ -138,6 +138,9 @@ def worker(setting: Setting, world_size: int, rank: int, store: str, out: str) -
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    # Leave together: a rank tearing gloo down while its peer is still in a collective aborts
+    # the peer ("terminate called without an active exception", exit -6).
+    dist.barrier()
     dist.destroy_process_group()
 
 

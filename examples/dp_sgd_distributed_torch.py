@@ -84,6 +84,7 @@ def train(rank: int, world_size: int, init_method: str, epochs: int) -> None:
             f"{accuracy:.3f}, epsilon {optimizer.accountant.epsilon():.2f} at delta {DELTA}; "
             f"parameters identical on every process: {same}"
         )
+    dist.barrier()  # leave together: tearing gloo down under a peer aborts it
     dist.destroy_process_group()
 
 

@@ -156,6 +156,7 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     seen["noise"] = params_of(model)
 
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
     torch.distributed.destroy_process_group()
 
 
