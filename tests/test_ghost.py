@@ -686,12 +686,14 @@ def j_numpy(x: Any) -> np.ndarray:
 def test_jax_chunked_matches_materialized(workload, chunk_size):
     loss, args = workload()
     grads = pergrad.per_example_grads(loss)(*args)
-    choice = choose_strategy(loss, *args, chunk_size=chunk_size)
+    choice = choose_strategy(loss, *args, chunk_size=chunk_size, strategy="chunked")
     assert choice.strategy == "chunked"
     assert choice.chunk_size == (chunk_size or args[1].shape[0])  # small model: whole batch
-    norms = per_example_norms_of(loss, *args, chunk_size=chunk_size)
+    norms = per_example_norms_of(loss, *args, chunk_size=chunk_size, strategy="chunked")
     assert_close(norms, pergrad.norms.per_example_norms(grads))
-    per_layer = per_example_norms_of(loss, *args, per_layer=True, chunk_size=chunk_size)
+    per_layer = per_example_norms_of(
+        loss, *args, per_layer=True, chunk_size=chunk_size, strategy="chunked"
+    )
     import jax
 
     expected_per_layer = pergrad.norms.per_example_norms(grads, per_layer=True)
@@ -699,7 +701,7 @@ def test_jax_chunked_matches_materialized(workload, chunk_size):
     squares = sum(leaf**2 for leaf in jax.tree_util.tree_leaves(per_layer))
     assert_close(squares, norms**2)
     bound = float(np.median(np.asarray(norms)))
-    clipped = clipped_sum_of(loss, *args, max_norm=bound, chunk_size=chunk_size)
+    clipped = clipped_sum_of(loss, *args, max_norm=bound, chunk_size=chunk_size, strategy="chunked")
     expected = pergrad.dp.clipped_sum(grads, bound)
     assert_clipped_sums_close(clipped._replace(sum={}), expected._replace(sum={}), j_numpy)
     jax.tree_util.tree_map(assert_close, clipped.sum, expected.sum)
@@ -729,9 +731,3 @@ def test_jax_under_jit_with_a_mask_and_tuple_argnums():
     )
     assert isinstance(norms, tuple)
     jax.tree_util.tree_map(assert_close, norms, expected_norms)
-
-
-def test_jax_ghost_is_refused():
-    loss, args = jax_mlp()
-    with pytest.raises(ValueError, match="pergrad.module_loss"):
-        per_example_norms_of(loss, *args, strategy="ghost")

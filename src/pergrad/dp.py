@@ -31,7 +31,7 @@ from typing import Any
 
 from pergrad._src.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
-from pergrad._src.ghost.api import clipped_sum_of
+from pergrad._src.ghost.api import clipped_sum_of, private_grad_of
 from pergrad._src.sampling import max_batch_size_for, pad_batch, poisson_batches
 
 _LAZY = {
@@ -60,6 +60,7 @@ __all__ = [
     "clipped_sum",
     "clipped_sum_of",
     "private_mean",
+    "private_grad_of",
     *_LAZY,
 ]
 

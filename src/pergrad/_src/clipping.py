@@ -221,10 +221,22 @@ def private_mean(
       ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
       and the clipping statistics.
     """
-    check_noise_multiplier("private_mean", noise_multiplier)
-    if expected_batch_size is not None:
-        _check_positive("private_mean", "expected_batch_size", expected_batch_size)
+    check_private_settings("private_mean", noise_multiplier, expected_batch_size)
     clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name)
+    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size), clipped
+
+
+def check_private_settings(func_name: str, noise_multiplier: Any, expected_batch_size: Any) -> None:
+    check_noise_multiplier(func_name, noise_multiplier)
+    if expected_batch_size is not None:
+        _check_positive(func_name, "expected_batch_size", expected_batch_size)
+
+
+def noisy_mean(
+    clipped: ClippedSum, noise_multiplier: float, rng: Any, expected_batch_size: float | None
+) -> Any:
+    """The clipped sum plus Gaussian noise of std ``noise_multiplier * sensitivity``, divided by
+    ``expected_batch_size`` (or by the number of real examples when it is None)."""
     noisy = add_noise(clipped.sum, noise_multiplier * clipped.sensitivity, rng)
     bk = backend_of(noisy, "private_mean", "grads")
     if expected_batch_size is None:
@@ -232,4 +244,4 @@ def private_mean(
     else:
         denominator = float(expected_batch_size)
     _, leaves, treedef = bk.flatten(noisy)
-    return bk.unflatten(treedef, [leaf / denominator for leaf in leaves]), clipped
+    return bk.unflatten(treedef, [leaf / denominator for leaf in leaves])

@@ -60,6 +60,10 @@ class LayerRule:
 _RULES: dict[type | str, LayerRule] = {}
 
 
+class GhostUnsupported(Exception):
+    """This call cannot take the ghost strategy (of either framework); the message says why."""
+
+
 def _no_problem(layer: Any) -> None:
     del layer
 

@@ -15,8 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pergrad._src.api import _Call, _prepare, _rebuild_grads, _Spec, per_example_grads
-from pergrad._src.clipping import ClippedSum, _check_positive, clipped_sum
+from pergrad._src.clipping import (
+    ClippedSum,
+    _check_positive,
+    check_private_settings,
+    clipped_sum,
+    noisy_mean,
+)
 from pergrad._src.errors import FallbackWarning, PergradTypeError, PergradValueError
+from pergrad._src.ghost import GhostUnsupported
 from pergrad._src.ghost.strategies import Reduction, WeightsFn, chunked, default_chunk_size
 from pergrad._src.norms import per_example_norms
 
@@ -34,8 +41,12 @@ class StrategyChoice:
         parameters: ``chunk_size x P`` stays under 2**25 numbers); what was passed for
         ``"materialize"``; None for ``"ghost"``.
       layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
-        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter.
-      unsupported: module name -> why the ghost strategy cannot handle it.
+        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter. For a
+        JAX loss, parameter path -> ``"dense"`` or ``"conv"``, the contraction it enters.
+      unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
+        parameter path -> why its per-example gradients are formed (the ghost strategy still
+        runs; these parameters get ordinary per-example gradients in the same pass).
+      plan: the analysis the ghost strategy runs from (internal).
 
     A ghost run can still meet something only visible while running (a layer that does not get
     the batch on axis 0, an input changed in place); ``"auto"`` then takes the chunked strategy
@@ -47,6 +58,7 @@ class StrategyChoice:
     chunk_size: int | None = None
     layers: dict[str, str] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
+    plan: Any = field(default=None, repr=False, compare=False)
 
 
 def per_example_norms_of(
@@ -169,6 +181,57 @@ def clipped_sum_of(
     )
 
 
+def private_grad_of(
+    fn: Callable[..., Any],
+    *args: Any,
+    max_norm: float,
+    noise_multiplier: float,
+    rng: Any,
+    expected_batch_size: float | None = None,
+    mask: Any = None,
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[Any, ClippedSum]:
+    """The DP-SGD gradient straight from the loss of one example, without per-example gradients.
+
+    :func:`clipped_sum_of`, then Gaussian noise of std ``noise_multiplier * max_norm``, divided
+    by ``expected_batch_size``: the same as :func:`pergrad.dp.private_mean` of
+    ``pergrad.per_example_grads(fn)(*args)``, at about the cost of one or two batch gradients on
+    the ghost path. Works under ``jax.jit``.
+
+    Args:
+      fn, *args, argnums, in_axes, strategy, chunk_size, mask: as for :func:`clipped_sum_of`.
+      max_norm: the clipping bound, a positive number.
+      noise_multiplier, rng, expected_batch_size: as for :func:`pergrad.dp.private_mean` (a JAX
+        key or a ``torch.Generator``; divide by the expected batch size under Poisson sampling).
+
+    Returns:
+      ``(private_gradient, ClippedSum)``: the noisy mean gradient, shaped like the
+      differentiated argument, and the clipping statistics.
+
+    Example (JAX, with any optax optimizer)::
+
+        grad, stats = pergrad.dp.private_grad_of(loss, params, X, Y, max_norm=1.0,
+                                                 noise_multiplier=1.1, rng=key,
+                                                 expected_batch_size=256)
+        updates, opt_state = optimizer.update(grad, opt_state, params)
+    """
+    check_private_settings("private_grad_of", noise_multiplier, expected_batch_size)
+    clipped = clipped_sum_of(
+        fn,
+        *args,
+        max_norm=max_norm,
+        argnums=argnums,
+        in_axes=in_axes,
+        strategy=strategy,
+        chunk_size=chunk_size,
+        mask=mask,
+    )
+    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size), clipped
+
+
 def choose_strategy(
     fn: Callable[..., Any],
     *args: Any,
@@ -207,6 +270,8 @@ def _setup(
         )
     spec = _Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
     call = _prepare(spec, args)
+    if call.backend.name == "jax":
+        return spec, call, _choose_jax(spec, call, args, strategy, chunk_size, per_group)
     return spec, call, _choose(spec, call, fn, args, strategy, chunk_size, per_group)
 
 
@@ -222,19 +287,12 @@ def _choose(
     name = spec.func_name
     plan = _ghost_plan(spec, fn, args)
     unsupported = dict(plan.unsupported) if plan is not None else {}
-    if per_group and strategy in ("ghost", "chunked"):
-        raise PergradValueError(
-            f"{name}: per-group bounds (max_norm as a pytree) need strategy='materialize' or "
-            f"'auto'; strategy={strategy!r} clips each example's whole gradient. Pass one "
-            f"positive number as max_norm."
-        )
+    _check_per_group(name, strategy, per_group)
     if strategy == "ghost":
         _check_ghost_possible(name, fn, plan)
-    if call.batch_size == 0:
-        return StrategyChoice("materialize", "empty batch", chunk_size)
-    if strategy == "materialize" or (strategy == "auto" and per_group):
-        why = "requested" if strategy == "materialize" else "per-group bounds"
-        return StrategyChoice("materialize", why, chunk_size)
+    early = _materialize_choice(call, strategy, chunk_size, per_group)
+    if early is not None:
+        return early
     if strategy == "ghost" or (strategy == "auto" and plan is not None and not unsupported):
         why = (
             "requested"
@@ -256,6 +314,91 @@ def _choose(
         )
     layers = dict(plan.layers) if plan is not None else {}
     return StrategyChoice("chunked", why, chunk, layers, unsupported)
+
+
+def _check_per_group(name: str, strategy: str, per_group: bool) -> None:
+    if per_group and strategy in ("ghost", "chunked"):
+        raise PergradValueError(
+            f"{name}: per-group bounds (max_norm as a pytree) need strategy='materialize' or "
+            f"'auto'; strategy={strategy!r} clips each example's whole gradient. Pass one "
+            f"positive number as max_norm."
+        )
+
+
+def _materialize_choice(
+    call: _Call, strategy: str, chunk_size: int | None, per_group: bool
+) -> StrategyChoice | None:
+    """The choice for an empty batch, a requested "materialize" or per-group bounds; else None."""
+    if call.batch_size == 0:
+        return StrategyChoice("materialize", "empty batch", chunk_size)
+    if strategy == "materialize" or (strategy == "auto" and per_group):
+        why = "requested" if strategy == "materialize" else "per-group bounds"
+        return StrategyChoice("materialize", why, chunk_size)
+    return None
+
+
+def _choose_jax(
+    spec: _Spec,
+    call: _Call,
+    args: tuple[Any, ...],
+    strategy: str,
+    chunk_size: int | None,
+    per_group: bool,
+) -> StrategyChoice:
+    """JAX: ghost when parameters enter through contractions and the rest stay small."""
+    name = spec.func_name
+    _check_per_group(name, strategy, per_group)
+    early = _materialize_choice(call, strategy, chunk_size, per_group)
+    if early is not None:
+        return early
+    if strategy == "chunked":
+        return StrategyChoice("chunked", "requested", chunk_size or default_chunk_size(call))
+    from pergrad._src.ghost import jax_ghost
+
+    plan = jax_ghost.plan(spec, call)
+    layers, materialized = jax_ghost.describe(plan, _leaf_names(spec, call, args))
+    numbers = jax_ghost.materialized_numbers(plan, call)
+    if strategy == "ghost":
+        if not plan.sites:
+            raise PergradValueError(
+                f"{name}: strategy='ghost' found no parameter that enters the loss through a "
+                f"contraction (dot_general / conv_general_dilated), so there is nothing to "
+                f"compute without per-example gradients ({_listing(materialized)}). Use "
+                f"strategy='chunked', or 'auto', which picks it for such losses."
+            )
+        return StrategyChoice("ghost", "requested", None, layers, materialized, plan)
+    if plan.sites and numbers <= jax_ghost.MAX_MATERIALIZED_NUMBERS:
+        why = (
+            "every differentiated parameter enters the loss through a contraction"
+            if not materialized
+            else f"the parameters outside contractions need only {numbers:,} per-example numbers"
+        )
+        return StrategyChoice("ghost", why, None, layers, materialized, plan)
+    why = (
+        "no differentiated parameter enters the loss through a contraction"
+        if not plan.sites
+        else f"the parameters outside contractions would need {numbers:,} per-example numbers "
+        f"(more than {jax_ghost.MAX_MATERIALIZED_NUMBERS:,}): {_listing(materialized)}"
+    )
+    chunk = chunk_size or default_chunk_size(call)
+    return StrategyChoice("chunked", why, chunk, layers, materialized)
+
+
+def _leaf_names(spec: _Spec, call: _Call, args: tuple[Any, ...]) -> list[str]:
+    """A readable name for each differentiated leaf: its path, after the argument's index when
+    several arguments are differentiated."""
+    paths = {i: call.backend.flatten(args[i])[0] for i in spec.argnums}
+    names = []
+    for i, j in call.diff_positions:
+        path = paths[i][j] or "(the whole argument)"
+        names.append(path if spec.single_argnum else f"argument {i} {path}")
+    return names
+
+
+def _listing(reasons: dict[str, str]) -> str:
+    items = list(reasons.items())
+    text = "; ".join(f"{name}: {why}" for name, why in items[:4])
+    return text + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
 
 
 def _ghost_plan(spec: _Spec, fn: Any, args: tuple[Any, ...]) -> Any:
@@ -298,9 +441,13 @@ def _reduce(
 ) -> Reduction:
     chunk_size = choice.chunk_size
     if choice.strategy == "ghost":
-        from pergrad._src.ghost.torch_ghost import GhostUnsupported, ghost
-
         try:
+            if call.backend.name == "jax":
+                from pergrad._src.ghost import jax_ghost
+
+                return jax_ghost.ghost(spec, call, choice.plan, weights_from)
+            from pergrad._src.ghost.torch_ghost import ghost
+
             return ghost(spec, call, fn, choice.layers, weights_from)
         except GhostUnsupported as err:
             if requested == "ghost":

@@ -46,17 +46,13 @@ from torch import nn
 
 from pergrad._src.api import _Call, _Spec
 from pergrad._src.errors import PergradValueError, is_pergrad_error
-from pergrad._src.ghost import rule_for
+from pergrad._src.ghost import GhostUnsupported, rule_for
 from pergrad._src.ghost.strategies import Reduction, WeightsFn
 from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
 
 # Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding.
 _CONSISTENCY_SLACK = 1e-3
-
-
-class GhostUnsupported(Exception):
-    """This call cannot take the ghost strategy; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,322 @@
+"""The JAX ghost strategy (``pergrad._src.ghost.jax_ghost``): norms and clipped sums from each
+contraction's input and output cotangent, without per-example weight gradients.
+
+Every result is checked against the materialised reference,
+``pergrad.norms.per_example_norms(pergrad.per_example_grads(fn)(*args))`` and
+``pergrad.dp.clipped_sum(...)`` of the same per-example gradients, which ``tests/test_jax_zoo.py``
+checks against a loop of ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+jax = pytest.importorskip("jax", reason="the JAX ghost strategy needs jax installed")
+import jax.numpy as jnp  # noqa: E402
+
+import pergrad  # noqa: E402
+from pergrad._src.ghost import jax_ghost  # noqa: E402
+from pergrad._src.ghost.api import (  # noqa: E402
+    choose_strategy,
+    clipped_sum_of,
+    per_example_norms_of,
+)
+from test_jax_zoo import ZOO, keys, mse_loss, normal, targets_for  # noqa: E402
+
+RTOL = 1e-5  # relative to the largest entry of the reference, float32
+
+
+def assert_close(actual: Any, expected: Any, rtol: float = RTOL) -> None:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = max(float(np.abs(expected).max(initial=0.0)), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+def assert_trees_close(actual: Any, expected: Any, rtol: float = RTOL) -> None:
+    a_leaves, a_def = jax.tree_util.tree_flatten(actual)
+    e_leaves, e_def = jax.tree_util.tree_flatten(expected)
+    assert a_def == e_def
+    for a, e in zip(a_leaves, e_leaves):
+        assert_close(a, e, rtol)
+
+
+def check_against_materialized(loss: Any, args: tuple, strategy: str = "ghost", **kw: Any):
+    """Norms (global and per leaf) and a clipped sum that clips about half the examples."""
+    grads = pergrad.per_example_grads(loss, **kw)(*args)
+    norms = per_example_norms_of(loss, *args, strategy=strategy, **kw)
+    assert_close(norms, pergrad.norms.per_example_norms(grads))
+    per_leaf = per_example_norms_of(loss, *args, per_layer=True, strategy=strategy, **kw)
+    assert_trees_close(per_leaf, pergrad.norms.per_example_norms(grads, per_layer=True))
+    ordered = np.sort(np.asarray(norms))
+    bound = float(ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2  # no ties
+    clipped = clipped_sum_of(loss, *args, max_norm=bound, strategy=strategy, **kw)
+    expected = pergrad.dp.clipped_sum(grads, bound)
+    assert_trees_close(clipped.sum, expected.sum)
+    assert_close(clipped.norms, expected.norms)
+    assert float(clipped.clip_fraction) == pytest.approx(float(expected.clip_fraction))
+    return norms
+
+
+# Zoo cases with no parameter inside a contraction: the ghost strategy has nothing to do there.
+NO_CONTRACTION = {"group_norm", "instance_norm"}
+GHOST_ZOO = [name for name in ZOO if name not in NO_CONTRACTION]
+
+
+@pytest.mark.parametrize("name", GHOST_ZOO)
+def test_zoo_matches_materialized(name):
+    forward, params, xs = ZOO[name]()
+    if name == "dense":  # its Python-float parameter: the core gives it a float32 gradient too
+        params = {**params, "scale": jnp.float32(params["scale"])}
+    ys = targets_for(forward, params, xs, seed=100)
+    loss = mse_loss(forward)
+    choice = choose_strategy(loss, params, xs, ys)
+    assert choice.strategy == "ghost", choice
+    assert choice.layers  # at least one contraction found
+    check_against_materialized(loss, (params, xs, ys))
+
+
+def test_what_the_plan_finds_in_a_dense_network():
+    forward, params, xs = ZOO["transformer_block"]()
+    ys = targets_for(forward, params, xs, seed=1)
+    choice = choose_strategy(mse_loss(forward), params, xs, ys)
+    assert choice.layers == {
+        "['attn']['k']": "dense",
+        "['attn']['o']": "dense",
+        "['attn']['q']": "dense",
+        "['attn']['v']": "dense",
+        "['mlp']['w1']": "dense",
+        "['mlp']['w2']": "dense",
+    }
+    # layer-norm scales and biases are not inside a contraction: formed per example
+    assert len(choice.unsupported) == len(jax.tree_util.tree_leaves(params)) - 6
+    assert set(choice.unsupported).isdisjoint(choice.layers)
+    assert all("broadcast_in_dim" in why for why in choice.unsupported.values())
+
+
+@pytest.mark.parametrize("name", sorted(NO_CONTRACTION))
+def test_no_contraction_goes_chunked_under_auto_and_ghost_refuses(name):
+    forward, params, xs = ZOO[name]()
+    ys = targets_for(forward, params, xs, seed=2)
+    loss = mse_loss(forward)
+    choice = choose_strategy(loss, params, xs, ys)
+    assert choice.strategy == "chunked"
+    assert "no differentiated parameter enters the loss through a contraction" in choice.reason
+    with pytest.raises(ValueError, match=r"strategy='ghost' found no parameter .* \['gamma'\]"):
+        per_example_norms_of(loss, params, xs, ys, strategy="ghost")
+
+
+def test_auto_takes_chunked_when_the_formed_gradients_would_be_large(monkeypatch):
+    forward, params, xs = ZOO["embedding_int_tokens"]()
+    ys = targets_for(forward, params, xs, seed=3)
+    loss = mse_loss(forward)
+    assert choose_strategy(loss, params, xs, ys).strategy == "ghost"
+    monkeypatch.setattr(jax_ghost, "MAX_MATERIALIZED_NUMBERS", 10)
+    choice = choose_strategy(loss, params, xs, ys)
+    assert choice.strategy == "chunked"
+    assert "['embed']: used by 'gather'" in choice.reason
+    # an explicit request still runs, with the embedding table formed per example
+    check_against_materialized(loss, (params, xs, ys))
+
+
+# --- how parameters reach a contraction -------------------------------------------------------
+
+
+def two_layer_problem(batch: int = 7, seed: int = 4) -> tuple[dict, Any, Any]:
+    k = keys(seed, 4)
+    params = {"w1": normal(k[0], (5, 6)), "w2": normal(k[1], (6, 3))}
+    return params, normal(k[2], (batch, 5), 1.0), normal(k[3], (batch, 3), 1.0)
+
+
+@jax.jit
+def jitted_dense(x, w):  # a jitted function called inside the loss: its body is looked into
+    return jnp.tanh(x @ w)
+
+
+LOSSES = {
+    "weight_as_lhs_transposed": lambda p, x, y: jnp.sum(
+        (p["w2"].T @ jnp.tanh(p["w1"].T @ x) - y) ** 2
+    ),
+    "einsum_and_reshape": lambda p, x, y: jnp.sum(
+        (jnp.einsum("k,kf->f", jnp.tanh(x @ p["w1"].reshape(5, 6)), p["w2"]) - y) ** 2
+    ),
+    "inside_a_jitted_function": lambda p, x, y: jnp.sum(
+        (jitted_dense(x, p["w1"]) @ p["w2"] - y) ** 2
+    ),
+    "bfloat16_cast": lambda p, x, y: jnp.sum(
+        (jnp.tanh(x @ p["w1"].astype(jnp.bfloat16)).astype(jnp.float32) @ p["w2"] - y) ** 2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_ways_parameters_reach_a_contraction(name):
+    loss = LOSSES[name]
+    args = two_layer_problem()
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "ghost"
+    assert choice.layers == {"['w1']": "dense", "['w2']": "dense"}
+    assert choice.unsupported == {}
+    if name == "bfloat16_cast":  # the gradient itself is rounded to bfloat16 on both paths
+        grads = pergrad.per_example_grads(loss)(*args)
+        norms = per_example_norms_of(loss, *args, strategy="ghost")
+        assert_close(norms, pergrad.norms.per_example_norms(grads), rtol=2e-2)
+    else:
+        check_against_materialized(loss, args)
+
+
+def test_a_shared_weight_is_formed_per_example():
+    def loss(p, x, y):  # w1 used twice: its gradient is the sum of two outer products
+        h = jnp.tanh(x @ p["w1"])
+        return jnp.sum((jnp.tanh(h @ p["w1"].T) @ p["w1"] @ p["w2"] - y) ** 2)
+
+    args = two_layer_problem()
+    choice = choose_strategy(loss, *args)
+    assert choice.layers == {"['w2']": "dense"}
+    assert "used by 3 contractions" in choice.unsupported["['w1']"]
+    check_against_materialized(loss, args)
+
+
+def test_a_parameter_contracted_with_another_parameter_is_formed_per_example():
+    def loss(p, x, y):
+        return jnp.sum((x @ (p["w1"] @ p["w2"]) - y) ** 2)
+
+    args = two_layer_problem()
+    choice = choose_strategy(loss, *args)
+    assert choice.layers == {}
+    assert choice.strategy == "chunked"
+    check_against_materialized(loss, args, strategy="auto")
+
+
+def test_jit_mask_and_tuple_argnums():
+    params, x, y = two_layer_problem(batch=9)
+    mask = np.arange(9) % 3 != 0
+
+    def loss(w1, w2, x, y):
+        return jnp.sum((jnp.tanh(x @ w1) @ w2 - y) ** 2)
+
+    @jax.jit
+    def step(w1, w2, x, y, mask):
+        return clipped_sum_of(loss, w1, w2, x, y, argnums=(0, 1), max_norm=0.5, mask=mask)
+
+    clipped = step(params["w1"], params["w2"], x, y, mask)
+    grads = pergrad.per_example_grads(loss, argnums=(0, 1))(params["w1"], params["w2"], x, y)
+    expected = pergrad.dp.clipped_sum(grads, 0.5, mask=mask)
+    assert float(clipped.count) == 6
+    assert_trees_close(clipped.sum, expected.sum)
+    choice = choose_strategy(loss, params["w1"], params["w2"], x, y, argnums=(0, 1))
+    assert choice.layers == {
+        "argument 0 (the whole argument)": "dense",
+        "argument 1 (the whole argument)": "dense",
+    }
+
+
+def test_shared_arguments_and_per_example_keys():
+    """A shared (unbatched) argument and dropout with one key per example."""
+    params, x, y = two_layer_problem(batch=6)
+    scale = jnp.asarray(1.5)
+    example_keys = jax.random.split(jax.random.key(5), 6)
+
+    def loss(p, scale, x, y, key):
+        h = jnp.tanh(x @ p["w1"]) * scale
+        keep = jax.random.bernoulli(key, 0.7, h.shape)
+        return jnp.sum((jnp.where(keep, h / 0.7, 0.0) @ p["w2"] - y) ** 2)
+
+    args = (params, scale, x, y, example_keys)
+    assert choose_strategy(loss, *args).strategy == "ghost"
+    check_against_materialized(loss, args)
+
+
+# --- the formulas -----------------------------------------------------------------------------
+
+# (einsum of one example, input shape, parameter shape): the parameter is the second operand
+# unless the spec names it first (then "param_first").
+EINSUMS = {
+    "vector": ("k,kf->f", ("k",), ("k", "f")),
+    "sequence": ("tk,kf->tf", ("t", "k"), ("k", "f")),
+    "sequence_param_first": ("kf,tk->ft", ("k", "f"), ("t", "k")),
+    "two_free_two_contracted": ("tsgk,gkf->tsf", ("t", "s", "g", "k"), ("g", "k", "f")),
+    "heads_as_batch": ("thk,hkf->thf", ("t", "h", "k"), ("h", "k", "f")),
+}
+
+
+@pytest.mark.parametrize("name", list(EINSUMS))
+@settings(max_examples=6, deadline=None)
+@given(
+    t=st.integers(1, 5),
+    s=st.integers(1, 3),
+    k=st.integers(1, 6),
+    f=st.integers(1, 6),
+    g=st.integers(1, 3),
+    h=st.integers(1, 3),
+    batch=st.integers(1, 4),
+)
+def test_contractions_match_the_formed_gradient(name, t, s, k, f, g, h, batch):
+    """Vector (|a|^2 |dz|^2), Gram (small T) and formed (large T) paths, several layouts."""
+    spec, input_dims, param_dims = EINSUMS[name]
+    sizes = {"t": t, "s": s, "k": k, "f": f, "g": g, "h": h}
+    param_first = spec.split(",")[0] == "".join(param_dims)
+    rng = np.random.default_rng(t * 1000 + k * 100 + f)
+    shape = tuple(sizes[d] for d in param_dims if d)
+    w = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((batch, *(sizes[d] for d in input_dims))), jnp.float32)
+
+    def loss(w, x):
+        out = jnp.einsum(spec, w, x) if param_first else jnp.einsum(spec, x, w)
+        return jnp.sum(jnp.sin(out))
+
+    grads = pergrad.per_example_grads(loss)(w, x)
+    norms = per_example_norms_of(loss, w, x, strategy="ghost")
+    assert_close(norms, pergrad.norms.per_example_norms(grads), rtol=1e-4)
+
+
+def test_dense_rule_picks_gram_or_formed_by_cost():
+    a = jnp.ones((2, 3, 100))
+    d = jnp.ones((2, 3, 100))
+    long_a, long_d = jnp.ones((2, 300, 4)), jnp.ones((2, 300, 5))
+    # both give |sum_t a_t d_t^T|^2 = (T^2) K F for all-ones inputs
+    assert_close(jax_ghost._dense_squared_norms(a, d), np.full(2, 9.0 * 100 * 100))
+    assert_close(jax_ghost._dense_squared_norms(long_a, long_d), np.full(2, 300.0**2 * 20))
+
+
+# --- DP-SGD through the ghost path -----------------------------------------------------------
+
+
+def test_dp_step_through_the_ghost_path_equals_the_materialized_one():
+    optax = pytest.importorskip("optax", reason="the DP step test uses optax")
+    forward, params, xs = ZOO["transformer_block"]()
+    ys = targets_for(forward, params, xs, seed=6)
+    loss = mse_loss(forward)
+    tx = optax.sgd(0.1)
+    state = tx.init(params)
+    key = jax.random.key(0)
+
+    assert choose_strategy(loss, params, xs, ys).strategy == "ghost"
+    grad, stats = pergrad.dp.private_grad_of(
+        loss, params, xs, ys, max_norm=0.3, noise_multiplier=0.0, rng=key
+    )
+    ghost_updates, _ = tx.update(grad, state, params)
+
+    per_example = pergrad.per_example_grads(loss)(params, xs, ys)
+    reference, _ = pergrad.dp.private_mean(per_example, 0.3, 0.0, key)
+    reference_updates, _ = tx.update(reference, state, params)
+    assert_trees_close(ghost_updates, reference_updates)
+    assert 0 < float(stats.clip_fraction) <= 1
+
+
+def test_auto_runs_ghost_under_jit_without_a_warning():
+    params, x, y = two_layer_problem()
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning: the ghost path ran
+        norms = jax.jit(lambda p, x, y: per_example_norms_of(loss, p, x, y))(params, x, y)
+    assert isinstance(norms, jax.Array) and norms.shape == (7,)
