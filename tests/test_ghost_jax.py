@@ -113,15 +113,15 @@ def test_no_contraction_goes_chunked_under_auto_and_ghost_refuses(name):
 
 
 def test_auto_takes_chunked_when_the_formed_gradients_would_be_large(monkeypatch):
-    forward, params, xs = ZOO["embedding_int_tokens"]()
+    forward, params, xs = ZOO["layer_norm"]()
     ys = targets_for(forward, params, xs, seed=3)
     loss = mse_loss(forward)
     assert choose_strategy(loss, params, xs, ys).strategy == "ghost"
-    monkeypatch.setattr(jax_ghost, "MAX_MATERIALIZED_NUMBERS", 10)
+    monkeypatch.setattr(jax_ghost, "MAX_MATERIALIZED_NUMBERS", 10)  # B x 12 scale/shift > 10
     choice = choose_strategy(loss, params, xs, ys)
     assert choice.strategy == "chunked"
-    assert "['embed']: used by 'gather'" in choice.reason
-    # an explicit request still runs, with the embedding table formed per example
+    assert "['gamma']: used by 'broadcast_in_dim'" in choice.reason
+    # an explicit request still runs, with the scale and shift formed per example
     check_against_materialized(loss, (params, xs, ys))
 
 
@@ -231,6 +231,66 @@ def test_shared_arguments_and_per_example_keys():
     args = (params, scale, x, y, example_keys)
     assert choose_strategy(loss, *args).strategy == "ghost"
     check_against_materialized(loss, args)
+
+
+# --- embedding lookups ------------------------------------------------------------------------
+
+VOCAB, DIM, LENGTH = 11, 4, 6
+
+LOOKUPS = {
+    "index": lambda table, ids: table[ids],
+    "take": lambda table, ids: jnp.take(table, ids, axis=0),
+    "take_clip": lambda table, ids: jnp.take(table, ids, axis=0, mode="clip"),
+    "take_fill_zero": lambda table, ids: jnp.take(table, ids, axis=0, mode="fill", fill_value=0),
+    "two_dimensional_ids": lambda table, ids: table[ids.reshape(2, 3)].reshape(LENGTH, DIM),
+}
+# the ids these lookups define: out of range only where the mode says what happens
+ID_RANGE = {
+    "index": (-VOCAB, VOCAB),
+    "take": (-VOCAB, VOCAB),
+    "take_clip": (-3, VOCAB + 3),
+    "take_fill_zero": (-3, VOCAB + 3),
+    "two_dimensional_ids": (0, VOCAB),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKUPS))
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16), repeats=st.integers(0, LENGTH - 1))
+def test_embedding_lookups_match_the_formed_gradient(name, seed, repeats):
+    """Repeated ids add their rows' gradients; out-of-range ids follow the lookup's mode."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "table": jnp.asarray(rng.standard_normal((VOCAB, DIM)), jnp.float32),
+        "head": jnp.asarray(rng.standard_normal((DIM, 3)), jnp.float32),
+    }
+    low, high = ID_RANGE[name]
+    ids = rng.integers(low, high, (5, LENGTH))
+    ids[:, 1 : 1 + repeats] = ids[:, :1]  # the first id read again
+    ids = jnp.asarray(ids, jnp.int32)
+
+    def loss(p, ids):
+        return jnp.sum(jnp.sin(LOOKUPS[name](p["table"], ids) @ p["head"]))
+
+    assert choose_strategy(loss, params, ids).layers == {
+        "['table']": "embedding",
+        "['head']": "dense",
+    }
+    check_against_materialized(loss, (params, ids))
+
+
+def test_a_tied_embedding_is_formed_per_example():
+    rng = np.random.default_rng(0)
+    params = {"table": jnp.asarray(rng.standard_normal((VOCAB, DIM)), jnp.float32)}
+    ids = jnp.asarray(rng.integers(0, VOCAB, (4, LENGTH)), jnp.int32)
+
+    def loss(p, ids):  # the same table embeds the tokens and scores the next one
+        logits = jnp.tanh(p["table"][ids]) @ p["table"].T
+        return -jnp.sum(jax.nn.log_softmax(logits)[:, 0])
+
+    choice = choose_strategy(loss, params, ids)
+    assert choice.unsupported == {"['table']": "used by 2 contractions (a shared weight)"}
+    check_against_materialized(loss, (params, ids), strategy="auto")
 
 
 # --- the formulas -----------------------------------------------------------------------------

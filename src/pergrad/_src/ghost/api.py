@@ -362,8 +362,9 @@ def _choose_jax(
         if not plan.sites:
             raise PergradValueError(
                 f"{name}: strategy='ghost' found no parameter that enters the loss through a "
-                f"contraction (dot_general / conv_general_dilated), so there is nothing to "
-                f"compute without per-example gradients ({_listing(materialized)}). Use "
+                f"contraction (a dense layer, a convolution or an embedding lookup), so there "
+                f"is nothing to compute without per-example gradients "
+                f"({_listing(materialized)}). Use "
                 f"strategy='chunked', or 'auto', which picks it for such losses."
             )
         return StrategyChoice("ghost", "requested", None, layers, materialized, plan)

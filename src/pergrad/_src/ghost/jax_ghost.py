@@ -3,8 +3,8 @@
 A JAX loss is a plain function, so there are no layers to hook. Instead the loss of one example
 is traced to a jaxpr (:func:`plan`), and every parameter array that enters the computation
 through exactly one contraction (``dot_general``: dense layers, attention projections, einsums;
-``conv_general_dilated``: convolutions), possibly after layout ops (``transpose``, ``reshape``,
-a dtype cast), is a *ghost parameter*. Then (:func:`ghost`), in one vectorised forward and
+``conv_general_dilated``: convolutions; a ``gather`` of whole rows: embedding lookups), possibly
+after layout ops (``transpose``, ``reshape``, a dtype cast), is a *ghost parameter*. Then (:func:`ghost`), in one vectorised forward and
 backward pass over the batch:
 
 1. the jaxpr is evaluated with a zero "probe" added to the output of each ghost contraction and
@@ -14,15 +14,16 @@ backward pass over the batch:
    ``B x P`` weight gradient is formed;
 3. each ghost parameter's per-example squared norm follows from ``a`` and ``dz``: for a dense
    layer on one vector, ``|a|^2 |dz|^2`` (Goodfellow 2015); on a sequence, ``<a a^T, dz dz^T>``
-   (the "ghost norm" of Li et al. 2021) or the formed ``a^T dz``, whichever costs less; for
-   other contractions (convolutions, batched einsums), the contraction's own transpose applied
-   to one example at a time (a kernel-sized gradient per example, not a model-sized one);
+   (the "ghost norm" of Li et al. 2021) or the formed ``a^T dz``, whichever costs less; for an
+   embedding, ``sum_{t,s} [id_t = id_s] dz_t . dz_s``; for other contractions (convolutions,
+   batched einsums), the contraction's own transpose applied to one example at a time (a
+   kernel-sized gradient per example, not a model-sized one);
 4. the weighted sum ``sum_i w_i g_i`` that a clipped sum needs is the same transpose applied
    once to the whole batch with cotangents ``w_i dz_i``: no second backward pass.
 
-Parameters used any other way (biases, norm scales, an embedding table read by ``gather``, a
-weight shared by two layers, anything inside ``scan`` / ``cond`` / a ``custom_jvp``) get
-ordinary per-example gradients in the same pass; ``strategy="auto"`` takes the ghost strategy
+Parameters used any other way (biases, norm scales, a weight shared by two layers such as tied
+embeddings, anything inside ``scan`` / ``cond`` / a ``custom_jvp``) get ordinary per-example
+gradients in the same pass; ``strategy="auto"`` takes the ghost strategy
 only when those stay small (:data:`MAX_MATERIALIZED_NUMBERS`).
 
 Calls of ``jax.jit``-ed functions inside the loss are looked into; everything else is evaluated
@@ -49,7 +50,7 @@ from pergrad._src.ghost.strategies import Reduction, WeightsFn
 _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "squeeze", "expand_dims"})
 # Calls whose body is looked into (a jax.jit-ed function called inside the loss).
 _CALL_OPS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_CONTRACTIONS = {"dot_general": "dense", "conv_general_dilated": "conv"}
+_CONTRACTIONS = {"dot_general": "dense", "conv_general_dilated": "conv", "gather": "embedding"}
 
 # "auto" takes the ghost strategy only if the parameters it cannot cover would not need more
 # than this many per-example gradient numbers (B x their size); 128 MB in float32.
@@ -159,8 +160,27 @@ def _is_param_operand(eqn: Any, tagged: list[tuple[int, Any]]) -> bool:
     name = eqn.primitive.name
     if name not in _CONTRACTIONS or len(tagged) != 1:
         return False
+    operand = tagged[0][0]
+    if name == "gather":  # an embedding lookup: whole rows of the table, by index
+        return operand == 0 and _is_row_lookup(eqn)
     # A convolution's kernel is its second operand; a dense layer's weight may be either.
-    return name == "dot_general" or tagged[0][0] == 1
+    return name == "dot_general" or operand == 1
+
+
+def _is_row_lookup(eqn: Any) -> bool:
+    """``table[ids]`` / ``jnp.take(table, ids, axis=0)``: whole rows of axis 0, one per id."""
+    numbers = eqn.params["dimension_numbers"]
+    table_shape = eqn.invars[0].aval.shape
+    out_rank = len(eqn.outvars[0].aval.shape)
+    row_rank = len(table_shape) - 1
+    return (
+        tuple(numbers.collapsed_slice_dims) == (0,)
+        and tuple(numbers.start_index_map) == (0,)
+        and not tuple(numbers.operand_batching_dims)
+        and tuple(numbers.offset_dims) == tuple(range(out_rank - row_rank, out_rank))
+        and tuple(eqn.params["slice_sizes"]) == (1, *table_shape[1:])
+        and eqn.invars[1].aval.shape[-1:] == (1,)
+    )
 
 
 def _is_var(atom: Any) -> bool:
@@ -294,6 +314,8 @@ def _contract(site: Site, layer_input: Any, operand: Any) -> Any:
 
 def _site_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     """``(B,)`` squared norms of one ghost leaf's per-example gradients."""
+    if site.kind == "embedding":
+        return _embedding_squared_norms(site, inputs, cotangents)
     factors = _dense_factors(site, inputs, cotangents)
     if factors is not None:
         return _dense_squared_norms(*factors)
@@ -361,6 +383,22 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
         return (gram_a * gram_d).sum(axis=(1, 2))
     formed = jnp.einsum("btk,btf->bkf", a, d)
     return (formed**2).sum(axis=(1, 2))
+
+
+def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
+    """``(B,)`` squared norms of a looked-up table's gradients: rows read at positions ``t`` and
+    ``s`` add up when the ids are equal, so ``|g|^2 = sum_{t,s} [id_t = id_s] dz_t . dz_s``."""
+    batch = ids.shape[0]
+    rows = site.eqn.invars[0].aval.shape[0]
+    ids = ids.reshape(batch, -1)
+    d = cotangents.reshape(batch, ids.shape[1], -1)
+    if "FILL_OR_DROP" in str(site.eqn.params["mode"]):
+        valid = (ids >= 0) & (ids < rows)  # out-of-range lookups read the fill value, no row
+        d = d * valid[:, :, None].astype(d.dtype)
+    else:
+        ids = jnp.clip(ids, 0, rows - 1)
+    same = (ids[:, :, None] == ids[:, None, :]).astype(d.dtype)
+    return (same * jnp.einsum("btr,bsr->bts", d, d)).sum(axis=(1, 2))
 
 
 def describe(ghost_plan: JaxGhostPlan, names: Sequence[str]) -> tuple[dict[str, str], dict]:
