@@ -13,8 +13,12 @@ This package computes those directly, with one of three strategies (``api.py`` c
   forward pass over the whole batch with hooks that keep each layer's input and output gradient;
   each layer's per-example norms then follow from those (the "ghost norm" of Goodfellow 2015 and
   Li et al. 2021) without forming the gradients. The clipped sum is a second backward pass.
+- ``"ghost"`` (``jax_ghost.py``, any JAX loss): the loss of one example is traced to a jaxpr;
+  parameters that enter through one contraction (dense, convolution, embedding lookup) get
+  their norms from the contraction's input and output cotangent, and their clipped sum from one
+  transpose of the contraction over the batch.
 
-This module holds the registry of layer rules for the ghost strategy: one small function per
+This module holds the registry of PyTorch layer rules for the ghost strategy: one small function per
 layer family (``torch_layers.py``), registered under the layer types it handles, as Opacus's
 ``grad_sample`` does. Adding a layer family means writing one function and decorating it.
 """

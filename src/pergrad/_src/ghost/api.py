@@ -74,14 +74,15 @@ def per_example_norms_of(
 
     Args:
       fn: the loss of ONE example, ``fn(params, x, y, ...) -> scalar`` (as for
-        :func:`pergrad.per_example_grads`); a :func:`pergrad.module_loss` loss for the ghost
-        strategy.
+        :func:`pergrad.per_example_grads`); in PyTorch, a :func:`pergrad.module_loss` loss for
+        the ghost strategy; in JAX, any traceable loss.
       *args: the arguments of ``fn``, with the data batched: ``(params, X, Y)``.
       argnums, in_axes: as for :func:`pergrad.per_example_grads`.
       per_layer: False for one norm per example; True for one per parameter array, in the
         structure of the differentiated argument (their squares sum to the global norm squared).
       strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
-        parameter sits in a layer with a ghost rule, else ``"chunked"``), ``"ghost"``,
+        parameter sits in a layer with a ghost rule, and for a JAX loss whose parameters outside
+        contractions need at most 2**25 per-example numbers; else ``"chunked"``), ``"ghost"``,
         ``"chunked"``, or ``"materialize"`` (per-example gradients, then their norms).
       chunk_size: examples per chunk for ``"chunked"`` / ``"materialize"``.
 
@@ -93,6 +94,9 @@ def per_example_norms_of(
 
         loss = pergrad.module_loss(model, F.cross_entropy)
         norms = pergrad.norms.per_example_norms_of(loss, loss.params(), X, Y)   # (B,)
+        # JAX: any loss of one example; jit it as you would jax.vmap(jax.grad(loss))
+        norms = jax.jit(lambda p, x, y: pergrad.norms.per_example_norms_of(loss, p, x, y))(
+            params, X, Y)
 
     Memory: ``"ghost"`` about that of one batch gradient (plus ``B x T^2`` per sequence layer);
     ``"chunked"`` that of ``chunk_size`` per-example gradients.
