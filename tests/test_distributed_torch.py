@@ -377,7 +377,8 @@ def test_the_scaling_benchmark_runs(tmp_path):
     out = tmp_path / "scaling_torch.md"
     script = REPO_ROOT / "benchmarks" / "scaling_torch.py"
     command = [sys.executable, str(script), "--quick", "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]  # the worker's traceback, if one failed
     text = out.read_text()
     assert text.startswith("# pergrad DP-SGD scaling over processes (PyTorch, CPU)")
     assert "| DPOptimizer (one process) | 1 |" in text

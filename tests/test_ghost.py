@@ -87,6 +87,19 @@ class TwiceShared(nn.Module):
         return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
 
 
+class ConvTwice(nn.Module):
+    """One Conv2d applied twice (padding keeps the shape): the sum over both calls, in both the
+    Gram (few output positions) and the formed branch of the conv rule."""
+
+    def __init__(self, channels: int = 3, kernel: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2)
+        self.head = nn.Linear(channels * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(torch.tanh(self.conv(x)))).flatten(1))
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -214,6 +227,12 @@ GHOST_ZOO = {
     ),
     "small_cnn": Case(SmallCNN, floats(1, 8, 8), rule="conv"),
     "layer_called_twice": Case(TwiceShared, floats(4)),
+    # T = 2 x 16 positions; T^2 = 1024 > p q = 27 x 3: formed per example
+    "conv_called_twice_formed": Case(ConvTwice, floats(3, 4, 4), rule="conv"),
+    # T^2 = 1024 < p q = 24 x 5 x 5 x 24: Gram matrices (float64: they cancel, as above)
+    "conv_called_twice_gram": Case(
+        lambda: ConvTwice(24, 5), floats(24, 4, 4), rule="conv", float64=True
+    ),
 }
 
 BATCH = 6

@@ -29,6 +29,9 @@ class ModuleLoss:
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
+        # Parameter-name sets whose ghost run was checked against the batch gradient (see
+        # pergrad/_src/ghost/torch_ghost.py): later runs skip the weight gradients.
+        self.ghost_checked: set[frozenset[str]] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters (``requires_grad``), detached: they share storage with the

@@ -36,6 +36,8 @@ SquaredNormsFn = Callable[[Any, list[Any]], dict[str, Any]]
 PerExampleFn = Callable[[Any, list[Any]], dict[str, Any]]
 # Why a particular layer instance cannot use its family's rule (None: it can).
 ProblemFn = Callable[[Any], "str | None"]
+# The same calls and (B,) weights -> each parameter's sum_i w_i g_i, shaped like the parameter.
+WeightedSumFn = Callable[[Any, list[Any], Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,17 @@ class LayerRule:
       per_example: ``per_example(layer, calls) -> {param_name: (B, *param_shape)}``, the
         per-example gradients themselves, for the ``"hooks"`` strategy of
         :func:`pergrad.per_example_grads`.
+      weighted_sum: ``weighted_sum(layer, calls, weights) -> {param_name: sum_i w_i g_i}``
+        without forming the per-example gradients, for clipped sums; None: the ``per_example``
+        gradients are contracted with the weights (fine where they are as small as an
+        activation).
     """
 
     name: str
     squared_norms: SquaredNormsFn
     problem: ProblemFn
     per_example: PerExampleFn
+    weighted_sum: WeightedSumFn | None = None
 
 
 # Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
@@ -77,6 +84,7 @@ def register(
     name: str,
     per_example: PerExampleFn,
     problem: ProblemFn = _no_problem,
+    weighted_sum: WeightedSumFn | None = None,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
@@ -85,7 +93,7 @@ def register(
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
-        rule = LayerRule(name, squared_norms, problem, per_example)
+        rule = LayerRule(name, squared_norms, problem, per_example, weighted_sum)
         for layer_type in layer_types:
             _RULES[layer_type] = rule
         return squared_norms

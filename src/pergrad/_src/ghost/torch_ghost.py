@@ -9,11 +9,16 @@ One call:
 2. each example's loss is ``loss_fn`` on its row of the output (``torch.func.vmap`` over the rows,
    the ``unsqueeze(0)`` that ``module_loss`` does), and one backward pass of their sum gives, at
    each hooked output, the per-example output gradients (examples do not mix, so row ``b`` of the
-   gradient of the sum is the gradient of loss ``b``);
+   gradient of the sum is the gradient of loss ``b``). That pass differentiates only each layer's
+   smallest parameter (its bias), so the weight gradients are never computed; the first run of a
+   ``module_loss`` differentiates every parameter instead, for the check below;
 3. each layer's rule (``torch_layers.py``) turns inputs and output gradients into per-example
    squared norms of its parameters;
-4. for a clipped sum, a second backward pass over the same graph, of ``sum_i c_i loss_i`` with
-   the clip factors ``c_i`` held constant, gives ``sum_i c_i g_i`` exactly (Lee & Kifer 2021).
+4. for a clipped sum, the same inputs and output gradients, each example's scaled by its clip
+   factor ``c_i``, give ``sum_i c_i g_i`` (the rule's ``weighted_sum``: for a linear layer one
+   matrix product, the cost of its ordinary weight gradient). No second backward pass (the
+   "book-keeping" of Bu et al. 2023, "Differentially private optimization on large model at
+   small cost").
 
 Tensor hooks (not ``autograd.grad`` with respect to the outputs) because they see the gradient
 of the value the layer produced even when a later in-place op (``ReLU(inplace=True)``) rewrites
@@ -27,9 +32,11 @@ What the hooks cannot see, and how it is handled:
   keyword arguments, or an input changed in place after the layer read it: found while running,
   reported as :class:`GhostUnsupported` (``"auto"`` falls back to chunked with a warning);
 - a parameter used outside its layer's ``forward`` (``F.linear(x, self.fc.weight)`` in a parent):
-  only partly detectable. It is caught when the batch gradient is larger than the per-example
-  norms allow (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when the layer itself is never
-  called; a parameter used both inside and outside its layer may go unnoticed.
+  only partly detectable. On the first run of each ``module_loss`` (per set of parameters) it is
+  caught when the batch gradient is larger than the per-example norms allow
+  (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when the layer itself is never called; a
+  parameter used both inside and outside its layer may go unnoticed, and a model whose later
+  calls take another path than its first is not checked again.
 """
 
 from __future__ import annotations
@@ -117,30 +124,69 @@ def ghost(
     diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
     batched = [call.leaves[i][j] for i, j in call.batched_positions]
     args = call.rebuild(diff, batched)
+    params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
     modules = {name: model.get_submodule(name) for name in layers}
+    checked = frozenset(params) in loss.ghost_checked
     with torch.enable_grad():
         with capturing(modules, batch_size) as records:
-            output = loss.forward(args[0], inputs)
+            output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        batch_grads = torch.autograd.grad(
-            losses.sum(), diff, retain_graph=weights_from is not None, allow_unused=True
-        )
+        # The first run differentiates every parameter, to check the norms against the batch
+        # gradient; later ones only what reaches each layer's output, so the weight gradients
+        # (a third of a training step's work) are never computed.
+        wanted = _one_parameter_per_layer(modules, params) if checked else diff
+        batch_grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     squared: list[Any] = [None] * len(diff)
-    for module_name, module in modules.items():
-        for param_name, values in _layer_squared_norms(module_name, module, records[module_name]):
-            leaf = args[0].get(f"{module_name}.{param_name}" if module_name else param_name)
-            if leaf is not None:
-                squared[position[id(leaf)]] = values
-    _check_consistency(args[0], position, squared, batch_grads, batch_size)
+    for name, values in _per_layer(modules, records, params, _squared_norms_of):
+        squared[position[id(params[name])]] = values
+    if not checked:
+        _check_consistency(params, position, squared, batch_grads, batch_size)
+        loss.ghost_checked.add(frozenset(params))
+    _fill_zeros(params, position, squared, batch_size)
     del batch_grads  # P numbers no longer needed: keep the peak at one gradient's worth
     if weights_from is None:
         return Reduction(squared, None)
+    # The clipped sum from the same inputs and output gradients, each example's scaled by its
+    # weight: one weight-gradient computation, no second backward pass.
     weights = weights_from(squared).detach()
-    with torch.enable_grad():
-        sums = torch.autograd.grad((losses * weights).sum(), diff, allow_unused=True)
-    return Reduction(squared, [torch.zeros_like(x) if s is None else s for x, s in zip(diff, sums)])
+    sums: list[Any] = [torch.zeros_like(x) for x in diff]
+    for name, value in _per_layer(modules, records, params, _weighted_sum_of(weights)):
+        sums[position[id(params[name])]] = value
+    return Reduction(squared, sums)
+
+
+def _one_parameter_per_layer(
+    modules: dict[str, nn.Module], params: dict[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each hooked layer's smallest differentiated parameter (a bias, usually): differentiating
+    these reaches every layer's output gradient at almost no cost of its own."""
+    chosen = []
+    for module_name, module in modules.items():
+        own = [
+            params[full]
+            for param_name, _ in module.named_parameters(recurse=False)
+            if (full := f"{module_name}.{param_name}" if module_name else param_name) in params
+        ]
+        if own:
+            chosen.append(min(own, key=lambda p: p.numel()))
+    return chosen
+
+
+def _squared_norms_of(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    return rule_for(module).squared_norms(module, calls)
+
+
+def _weighted_sum_of(weights: torch.Tensor) -> Any:
+    def weighted_sum(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+        rule = rule_for(module)
+        if rule.weighted_sum is not None:
+            return rule.weighted_sum(module, calls, weights)
+        per_example = rule.per_example(module, calls)  # as small as an activation
+        return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in per_example.items()}
+
+    return weighted_sum
 
 
 def model_and_loss_arguments(
@@ -306,26 +352,47 @@ def _add_batch_axis(x: Any) -> Any:
     return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
 
 
-def _layer_squared_norms(
-    module_name: str, module: nn.Module, records: list[_Record]
+def _per_layer(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[_Record]],
+    params: dict[str, torch.Tensor],
+    compute: Any,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(param_name, (B,) squared norms)`` for each parameter the layer owns."""
+    """``(parameter name, value)`` from ``compute(layer, calls)`` for each hooked layer, over the
+    differentiated parameters it owns."""
+    for module_name, module in modules.items():
+        calls = _calls(module_name, records[module_name])
+        if not calls:  # never called, or its output did not reach the loss: zero gradients
+            continue
+        with torch.no_grad():
+            values = compute(module, calls)
+        for param_name, value in values.items():
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if name in params:
+                yield name, value
+
+
+def _calls(module_name: str, records: list[_Record]) -> list[LayerCall]:
     for record in records:
         versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
         if versions != record.input_versions:
             raise GhostUnsupported(
                 f"the input of layer {module_name!r} was modified in place after the layer read it"
             )
-    calls = [
+    return [
         LayerCall(record.inputs, record.output_grad)
         for record in records
         if record.output_grad is not None
     ]
-    if not calls:  # never called, or its output did not reach the loss: zero gradients
-        return
-    rule = rule_for(module)
-    with torch.no_grad():
-        yield from rule.squared_norms(module, calls).items()
+
+
+def _fill_zeros(
+    params: dict[str, torch.Tensor], position: dict[int, int], squared: list[Any], batch_size: int
+) -> None:
+    """Zero norms for the parameters no hook saw (layers whose output did not reach the loss)."""
+    for leaf in params.values():
+        if squared[position[id(leaf)]] is None:
+            squared[position[id(leaf)]] = leaf.new_zeros(batch_size)
 
 
 def _check_consistency(
@@ -335,14 +402,12 @@ def _check_consistency(
     batch_grads: tuple[Any, ...],
     batch_size: int,
 ) -> None:
-    """Fill parameters no hook saw with zeros, and refuse norms the batch gradient contradicts.
+    """Refuse norms the batch gradient contradicts.
 
     For any per-example gradients, ``|sum_i g_i|^2 <= B sum_i |g_i|^2``. If the batch gradient
     breaks it, some use of the parameter escaped the layer hooks.
     """
-    for leaf in params.values():
-        if squared[position[id(leaf)]] is None:
-            squared[position[id(leaf)]] = leaf.new_zeros(batch_size)
+    _fill_zeros(params, position, squared, batch_size)
     checked = [(k, g) for k, g in enumerate(batch_grads) if g is not None]
     if not checked:
         return

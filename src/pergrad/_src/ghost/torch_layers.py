@@ -74,12 +74,17 @@ def _squared(per_example: torch.Tensor) -> torch.Tensor:
     return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
 
 
+def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat``, without the copy for the usual single call."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, Any]:
     """Every call's inputs ``(B, N, width_in)`` and output gradients ``(B, N, width_out)``, the
     positions of all calls side by side (a layer called twice is one layer seeing more tokens)."""
     batch = calls[0].output_grad.shape[0]
-    activations = torch.cat([c.inputs[0].reshape(batch, -1, width_in) for c in calls], dim=1)
-    output_grads = torch.cat([c.output_grad.reshape(batch, -1, width_out) for c in calls], dim=1)
+    activations = _side_by_side([c.inputs[0].reshape(batch, -1, width_in) for c in calls], 1)
+    output_grads = _side_by_side([c.output_grad.reshape(batch, -1, width_out) for c in calls], 1)
     return activations, output_grads
 
 
@@ -91,7 +96,29 @@ def linear_per_example(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, to
     return result
 
 
-@register(nn.Linear, name="linear", per_example=linear_per_example)
+def _weighted_tokens(
+    calls: list[LayerCall], width_in: int, width_out: int, weights: torch.Tensor
+) -> tuple[Any, Any]:
+    """All positions of all examples as rows: inputs ``(B N, width_in)`` and output gradients
+    scaled by their example's weight ``(B N, width_out)``."""
+    activations, output_grads = _tokens(calls, width_in, width_out)
+    scaled = output_grads * weights.to(output_grads.dtype)[:, None, None]
+    return activations.reshape(-1, width_in), scaled.reshape(-1, width_out)
+
+
+def linear_weighted_sum(
+    layer: nn.Linear, calls: list[LayerCall], weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    activations, scaled = _weighted_tokens(calls, layer.in_features, layer.out_features, weights)
+    result = {"weight": scaled.T @ activations}
+    if layer.bias is not None:
+        result["bias"] = scaled.sum(0)
+    return result
+
+
+@register(
+    nn.Linear, name="linear", per_example=linear_per_example, weighted_sum=linear_weighted_sum
+)
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     activations, output_grads = _tokens(calls, layer.in_features, layer.out_features)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
@@ -110,7 +137,23 @@ def hf_conv1d_per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str,
     return result
 
 
-@register("transformers.pytorch_utils.Conv1D", name="hf_conv1d", per_example=hf_conv1d_per_example)
+def hf_conv1d_weighted_sum(
+    layer: nn.Module, calls: list[LayerCall], weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    width_in, width_out = layer.weight.shape
+    activations, scaled = _weighted_tokens(calls, width_in, width_out, weights)
+    result = {"weight": activations.T @ scaled}
+    if layer.bias is not None:
+        result["bias"] = scaled.sum(0)
+    return result
+
+
+@register(
+    "transformers.pytorch_utils.Conv1D",
+    name="hf_conv1d",
+    per_example=hf_conv1d_per_example,
+    weighted_sum=hf_conv1d_weighted_sum,
+)
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
     activations, output_grads = _tokens(calls, width_in, width_out)
@@ -126,18 +169,24 @@ def _conv_problem(layer: nn.Module) -> str | None:
     return None
 
 
+def _padded(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The input and the padding left to the convolution, as the layer's own forward has them:
+    non-zero padding modes and string padding are applied explicitly first."""
+    padding: Any = layer.padding
+    if layer.padding_mode != "zeros" or isinstance(padding, str):
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
+        padding = (0,) * len(layer.kernel_size)
+    return x, padding
+
+
 def _conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """The input patches each output position sees: ``(B, G, L, C_in / G * prod(kernel))``.
 
     ``F.unfold`` orders a patch channel-major then kernel position, as the weight
     ``(C_out, C_in / G, *kernel)`` is laid out, so group ``g`` owns a contiguous slice.
     """
-    padding: Any = layer.padding
-    if layer.padding_mode != "zeros" or isinstance(padding, str):
-        # As the layer's own forward does for these: pad explicitly, then convolve unpadded.
-        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
-        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
-        padding = (0,) * len(layer.kernel_size)
+    x, padding = _padded(layer, x)
     kernel, stride, dilation = layer.kernel_size, layer.stride, layer.dilation
     if isinstance(layer, nn.Conv1d):  # F.unfold is 2-D only: a 1-D signal is a 1 x L image
         x = x.unsqueeze(-2)
@@ -154,37 +203,107 @@ def _conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[
     of every call, positions side by side."""
     batch = calls[0].output_grad.shape[0]
     groups, channels_out = layer.groups, layer.out_channels
-    patches = torch.cat([_conv_patches(layer, c.inputs[0]) for c in calls], dim=2)
-    output_grads = torch.cat(
+    patches = _side_by_side([_conv_patches(layer, c.inputs[0]) for c in calls], 2)
+    output_grads = _side_by_side(
         [
             c.output_grad.reshape(batch, groups, channels_out // groups, -1).transpose(-1, -2)
             for c in calls
         ],
-        dim=2,
+        2,
     )
     return patches, output_grads
+
+
+def _conv_weight_grad(layer: nn.Conv1d | nn.Conv2d) -> Any:
+    return (
+        torch.nn.grad.conv1d_weight
+        if isinstance(layer, nn.Conv1d)
+        else (torch.nn.grad.conv2d_weight)
+    )
+
+
+def _conv_weight_per_example(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> torch.Tensor:
+    """``(B, *weight.shape)``: the convolution's own weight gradient for each example (vmapped,
+    which torch runs as one convolution with the examples as groups; faster than unfolding)."""
+    weight_grad = _conv_weight_grad(layer)
+    total = 0
+    for call in calls:
+        x, padding = _padded(layer, call.inputs[0])
+
+        def one(x_row: torch.Tensor, grad_row: torch.Tensor, padding: Any = padding) -> Any:
+            return weight_grad(
+                x_row[None],
+                layer.weight.shape,
+                grad_row[None],
+                layer.stride,
+                padding,
+                layer.dilation,
+                layer.groups,
+            )
+
+        total = total + torch.func.vmap(one)(x, call.output_grad)
+    return total
+
+
+def _conv_bias_per_example(calls: list[LayerCall]) -> torch.Tensor:
+    return sum(c.output_grad.reshape(*c.output_grad.shape[:2], -1).sum(-1) for c in calls)
 
 
 def conv_per_example(
     layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
 ) -> dict[str, torch.Tensor]:
-    patches, output_grads = _conv_tokens(layer, calls)
-    batch = patches.shape[0]
-    weight = torch.einsum("bglq,bglp->bgqp", output_grads, patches)
-    result = {"weight": weight.reshape(batch, *layer.weight.shape)}
+    result = {"weight": _conv_weight_per_example(layer, calls)}
     if layer.bias is not None:
-        result["bias"] = output_grads.sum(2).reshape(batch, -1)
+        result["bias"] = _conv_bias_per_example(calls)
     return result
 
 
-@register(nn.Conv1d, nn.Conv2d, name="conv", per_example=conv_per_example, problem=_conv_problem)
+def conv_weighted_sum(
+    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall], weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The convolution's own weight gradient, with each example's output gradient scaled."""
+    weight_grad = (
+        torch.nn.grad.conv1d_weight
+        if isinstance(layer, nn.Conv1d)
+        else (torch.nn.grad.conv2d_weight)
+    )
+    weight = torch.zeros_like(layer.weight)
+    bias = None if layer.bias is None else torch.zeros_like(layer.bias)
+    for call in calls:
+        scale = weights.to(call.output_grad.dtype).reshape(-1, *[1] * (call.output_grad.dim() - 1))
+        scaled = call.output_grad * scale
+        x, padding = _padded(layer, call.inputs[0])
+        weight += weight_grad(
+            x, layer.weight.shape, scaled, layer.stride, padding, layer.dilation, layer.groups
+        )
+        if bias is not None:
+            bias += scaled.sum([d for d in range(scaled.dim()) if d != 1])
+    return {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+
+
+@register(
+    nn.Conv1d,
+    nn.Conv2d,
+    name="conv",
+    per_example=conv_per_example,
+    problem=_conv_problem,
+    weighted_sum=conv_weighted_sum,
+)
 def conv_squared_norms(
     layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
 ) -> dict[str, torch.Tensor]:
-    patches, output_grads = _conv_tokens(layer, calls)
-    result = {"weight": outer_product_squared_norms(patches, output_grads)}
+    """Gram matrices of the unfolded patches where the output has few positions (``T^2 < p q``),
+    else the per-example weight gradients themselves (as small as ``B x weight``)."""
+    positions = sum(c.output_grad[0, 0].numel() for c in calls)
+    width_in = layer.weight[0].numel()
+    width_out = layer.out_channels // layer.groups
+    if positions * positions < width_in * width_out:
+        patches, output_grads = _conv_tokens(layer, calls)
+        result = {"weight": outer_product_squared_norms(patches, output_grads)}
+    else:
+        result = {"weight": _squared(_conv_weight_per_example(layer, calls))}
     if layer.bias is not None:
-        result["bias"] = _squared(output_grads.sum(2))
+        result["bias"] = _squared(_conv_bias_per_example(calls))
     return result
 
 
@@ -220,11 +339,23 @@ def embedding_per_example(layer: nn.Embedding, calls: list[LayerCall]) -> dict[s
     return {"weight": grads.reshape(batch, layer.num_embeddings, width)}
 
 
+def embedding_weighted_sum(
+    layer: nn.Embedding, calls: list[LayerCall], weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    indices, output_grads, _ = _lookups(layer, calls)
+    width = layer.embedding_dim
+    scaled = output_grads * weights.to(output_grads.dtype)[:, None, None]
+    grad = output_grads.new_zeros(layer.num_embeddings, width)
+    grad.index_add_(0, indices.reshape(-1), scaled.reshape(-1, width))
+    return {"weight": grad}
+
+
 @register(
     nn.Embedding,
     name="embedding",
     per_example=embedding_per_example,
     problem=_embedding_problem,
+    weighted_sum=embedding_weighted_sum,
 )
 def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Per example, the output gradients of the positions that look up the same row add up;
