@@ -69,7 +69,7 @@ class DPOptimizer:
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
-    norm layers) the ghost strategy, about two batch gradients of time and no ``B x P`` memory;
+    norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory;
     otherwise per-example gradients ``chunk_size`` examples at a time. Distributed: one
     all-reduce of ``P + 2`` numbers per step, and at construction two all-gathers and one pass
     over the parameters' bytes.

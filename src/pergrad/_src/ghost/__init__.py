@@ -12,7 +12,8 @@ This package computes those directly, with one of three strategies (``api.py`` c
 - ``"ghost"`` (``torch_ghost.py``, PyTorch models through :func:`pergrad.module_loss`): one
   forward pass over the whole batch with hooks that keep each layer's input and output gradient;
   each layer's per-example norms then follow from those (the "ghost norm" of Goodfellow 2015 and
-  Li et al. 2021) without forming the gradients. The clipped sum is a second backward pass.
+  Li et al. 2021) without forming the gradients; the clipped sum from the same records, each
+  example's output gradient scaled by its clip factor (no second backward pass).
 - ``"ghost"`` (``jax_ghost.py``, any JAX loss): the loss of one example is traced to a jaxpr;
   parameters that enter through one contraction (dense, convolution, embedding lookup) get
   their norms from the contraction's input and output cotangent, and their clipped sum from one

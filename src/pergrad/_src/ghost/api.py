@@ -130,8 +130,9 @@ def clipped_sum_of(
 
     Equal to ``pergrad.dp.clipped_sum(pergrad.per_example_grads(fn)(*args), max_norm, mask)``.
     The norms come as in :func:`per_example_norms_of`; then ``sum_i c_i g_i`` with
-    ``c_i = min(1, max_norm / |g_i|)`` is the gradient of ``sum_i c_i loss_i``: one more batch
-    backward pass (Lee & Kifer 2021).
+    ``c_i = min(1, max_norm / |g_i|)``: on the ghost path from the same layer inputs and output
+    gradients, scaled by ``c_i`` (no second backward pass); on the chunked path as the gradient
+    of ``sum_i c_i loss_i``, one more batch backward pass (Lee & Kifer 2021).
 
     Args:
       fn, *args, argnums, in_axes, strategy, chunk_size: as for :func:`per_example_norms_of`.
