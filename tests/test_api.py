@@ -385,3 +385,110 @@ def test_randomness_is_refused_for_jax():
         pergrad.per_example_grads(linear_loss, randomness="different")(
             jnp.asarray(w), jnp.asarray(x), jnp.asarray(y)
         )
+
+
+# ---- repeated calls: the analysis of a call is reused for arguments of the same structure ----
+
+
+def test_repeated_calls_with_other_shapes_and_structures(fw):
+    def loss(params, x, y):
+        return (params.get("scale", 1.0) * (x * params["w"]).sum() - y) ** 2
+
+    per_example = pergrad.per_example_grads(loss)
+    for batch_size, dim in [(6, 3), (4, 3), (5, 2), (6, 3)]:  # the last one hits the first's
+        w, x, y = data(batch_size, dim)
+        grads = per_example({"w": fw.array(w)}, fw.array(x), fw.array(y))
+        np.testing.assert_allclose(fw.to_numpy(grads["w"]), closed_form(w, x, y), atol=1e-5)
+    w, x, y = data(3, 3)  # a new key in the parameters: a new structure
+    grads = per_example(
+        {"w": fw.array(w), "scale": fw.array(np.float32(1.0))}, *map(fw.array, (x, y))
+    )
+    np.testing.assert_allclose(fw.to_numpy(grads["w"]), closed_form(w, x, y), atol=1e-5)
+    np.testing.assert_allclose(fw.to_numpy(grads["scale"]), 2 * (x @ w - y) * (x @ w), atol=1e-5)
+
+
+def test_repeated_calls_with_explicit_in_axes(fw):
+    per_example = pergrad.per_example_grads(linear_loss, in_axes=(None, 1, 0))
+    for batch_size in (6, 3):
+        w, x, y = data(batch_size)
+        grads = per_example(fw.array(w), fw.array(x.T.copy()), fw.array(y))
+        np.testing.assert_allclose(fw.to_numpy(grads), closed_form(w, x, y), atol=1e-5)
+
+
+def test_repeated_calls_read_new_python_float_values(fw):
+    def loss(scale, x, y):
+        return (scale * x.sum() - y) ** 2
+
+    per_example = pergrad.per_example_grads(loss)
+    _, x, y = data()
+    for scale in (0.5, 2.0):
+        grads = per_example(scale, fw.array(x), fw.array(y))
+        expected = 2 * (scale * x.sum(1) - y) * x.sum(1)
+        np.testing.assert_allclose(fw.to_numpy(grads), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_on_a_repeated_call_still_raises(fw):
+    per_example = pergrad.per_example_grads(linear_loss)
+    w, x, y = data(batch_size=6)
+    per_example(fw.array(w), fw.array(x), fw.array(y))
+    with pytest.raises(ValueError, match=r"disagree.*'x'.* 6.*'y'.* 4"):
+        per_example(fw.array(w), fw.array(x), fw.array(y[:4]))
+    with pytest.raises(TypeError, match=r"argument 0 \('w'\).*dtype int"):
+        per_example(fw.array(np.arange(3)), fw.array(x), fw.array(y))
+    with pytest.raises(ValueError, match="no argument looks batched"):
+        per_example(fw.array(w), 1.0, 2.0)
+    with pytest.raises(ValueError, match="no positional arguments"):
+        per_example()
+    grads = per_example(fw.array(w), fw.array(x), fw.array(y))  # and good input still works
+    np.testing.assert_allclose(fw.to_numpy(grads), closed_form(w, x, y), atol=1e-5)
+
+
+def test_repeated_calls_switching_frameworks():
+    import jax.numpy as jnp
+    import torch
+
+    per_example = pergrad.per_example_grads(linear_loss)
+    w, x, y = data()
+    for to_array in (torch.as_tensor, jnp.asarray, torch.as_tensor):
+        grads = per_example(to_array(w), to_array(x), to_array(y))
+        np.testing.assert_allclose(np.asarray(grads), closed_form(w, x, y), atol=1e-5)
+    with pytest.raises(TypeError, match=r"mix.*argument 0 \('w'\).*argument 1 \('x'\)"):
+        per_example(jnp.asarray(w), torch.as_tensor(x), torch.as_tensor(y))
+
+
+def test_repeated_calls_with_an_opaque_leaf(fw):
+    """An object the pytree does not look into may hold anything: it is analysed every call."""
+
+    class Holder:
+        def __init__(self, value):
+            self.value = value
+
+    def loss(w, x, y, holder):
+        return linear_loss(w, x, y) * holder.value
+
+    per_example = pergrad.per_example_grads(loss)
+    w, x, y = data()
+    for value in (1.0, 3.0):
+        grads = per_example(fw.array(w), fw.array(x), fw.array(y), Holder(value))
+        np.testing.assert_allclose(fw.to_numpy(grads), value * closed_form(w, x, y), atol=1e-4)
+
+
+def test_torch_shortcuts_match_torch_pytrees():
+    from collections import OrderedDict
+
+    torch = pytest.importorskip("torch")
+    import torch.utils._pytree as pytree
+
+    from pergrad._src.backends.torch_backend import BACKEND
+
+    t = torch.ones(2)
+    trees = [t, {"a": t, "b": t}, {}, {"a": {"b": t}}, {"a": {}}, {"a": None, "b": t}]
+    trees += [{"a": 1, "b": t}, [t], {"a": (t, t)}, OrderedDict(a=t)]
+    for tree in trees:
+        leaves, treedef = BACKEND.flatten_leaves(tree)
+        expected_leaves, expected_treedef = pytree.tree_flatten(tree)
+        assert treedef == expected_treedef and hash(treedef) == hash(expected_treedef), tree
+        assert len(leaves) == len(expected_leaves), tree
+        assert all(a is b for a, b in zip(leaves, expected_leaves)), tree
+        rebuilt = BACKEND.unflatten(treedef, leaves)
+        assert type(rebuilt) is type(tree) and pytree.tree_structure(rebuilt) == treedef, tree

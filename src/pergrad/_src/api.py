@@ -15,6 +15,7 @@ as constants instead of confusing the transforms.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -99,6 +100,7 @@ def per_example_grads(
         backend,
         randomness,
         strategy,
+        returns_losses=False,
     )
 
     @functools.wraps(fn)
@@ -164,10 +166,19 @@ class _Spec:
     randomness: str | None
     arg_names: tuple[str, ...]
     strategy: str = "auto"
+    # False where the caller drops the losses: the vectorised path then leaves them inside the
+    # transformed function and the value part of _compute's result is None (aux, if any, kept).
+    returns_losses: bool = True
     # What "auto" settled on after a failure ("hooks" or "loop"): later calls go there directly.
     resolved: str | None = field(default=None)
     hooks_checked: bool = field(default=False)  # the hooks' first-call spot check is done
     last_strategy: str | None = field(default=None)
+    # What _prepare decided for each structure of the arguments seen so far (see _prepare).
+    layouts: dict[Any, _Layout] = field(default_factory=dict, repr=False, compare=False)
+    # The vectorised function of each backend (see _vectorised).
+    vectorised: dict[str, Callable[..., Any]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def create(
@@ -181,6 +192,7 @@ class _Spec:
         backend: Any,
         randomness: Any,
         strategy: Any = "auto",
+        returns_losses: bool = True,
     ) -> _Spec:
         if not callable(fn):
             raise PergradTypeError(
@@ -222,6 +234,7 @@ class _Spec:
             randomness,
             _positional_names(fn),
             strategy,
+            returns_losses,
         )
 
     def arg_name(self, index: int) -> str | None:
@@ -301,10 +314,10 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if call.batch_size == 0:
         # Run one dummy example to learn the output shapes, then return empty arrays.
         padded = tuple(bk.zeros_example(v) for v in batched_values)
-        out = _run(spec, call, single, diff_values, padded, 1)
+        out = _run(spec, call, kwargs, single, diff_values, padded, 1)
         out = _map_arrays(bk, bk.slice_empty, out)
     else:
-        out = _run(spec, call, single, diff_values, batched_values, call.batch_size)
+        out = _run(spec, call, kwargs, single, diff_values, batched_values, call.batch_size)
     value, grad_leaves = out
     return value, _rebuild_grads(spec, call, grad_leaves)
 
@@ -312,6 +325,7 @@ def _compute(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _run(
     spec: _Spec,
     call: _Call,
+    kwargs: dict[str, Any],
     single: Callable[..., Any],
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
@@ -341,10 +355,8 @@ def _run(
             batch_size,
             f"layer hooks cannot take this call ({why_not})",
         )
-    value_and_grad = bk.value_and_grad(single, spec.has_aux)
-    vectorised = bk.vmap(value_and_grad, (None, 0), spec.chunk_size, spec.randomness)
     try:
-        out = vectorised(diff_values, batched_values)
+        out = _vectorised(spec, bk)(diff_values, batched_values, _Context(call, kwargs))
     except Exception as err:
         cause = vmap_failure(bk, err)
         if spec.strategy == "vmap":
@@ -355,7 +367,9 @@ def _run(
         failed = err
     else:
         spec.last_strategy = "vmap"
-        return out
+        if spec.returns_losses:
+            return out
+        return ((None, out[0]), out[1]) if spec.has_aux else (None, out)
     cause = f"{bk.name} could not vectorise fn ({vmap_failure(bk, failed)})"
     out, why_not = _hooks(spec, call, single, diff_values, batched_values, batch_size)
     if out is not None:
@@ -377,6 +391,24 @@ def _run(
         batch_size,
         f"{cause}; layer hooks cannot take it either ({why_not})",
     )
+
+
+def _without_losses(value_and_grad: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``value_and_grad`` returning the gradients only, or ``(aux, grads)``: losses nobody reads
+    stay inside the vectorised function instead of being batched as an output (a few percent
+    of the time on small models)."""
+    if has_aux:
+
+        def aux_and_grads(*args: Any) -> Any:
+            (_, aux), grads = value_and_grad(*args)
+            return aux, grads
+
+        return aux_and_grads
+
+    def grads_only(*args: Any) -> Any:
+        return value_and_grad(*args)[1]
+
+    return grads_only
 
 
 def vmap_failure(bk: Backend, err: Exception) -> str:
@@ -493,34 +525,72 @@ def _map_arrays(bk: Backend, f: Callable[[Any], Any], tree: Any) -> Any:
 def _single_example_fn(
     spec: _Spec, call: _Call, kwargs: dict[str, Any]
 ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
-    bk = call.backend
-
     def single(diff_values: tuple[Any, ...], batched_values: tuple[Any, ...]) -> Any:
-        out = spec.fn(*call.rebuild(diff_values, batched_values), **kwargs)
-        if spec.has_aux:
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise PergradValueError(
-                    f"{spec.func_name}: has_aux=True needs fn to return a pair (loss, aux); "
-                    f"it returned {_describe(bk, out)}."
-                )
-            loss = out[0]
-        else:
-            loss = out
-        problem = bk.scalar_loss_problem(loss)
-        if problem is not None:
-            hint = (
-                " With has_aux=False, return only the loss (or pass has_aux=True)."
-                if isinstance(out, (tuple, list)) and not spec.has_aux
-                else " fn sees ONE example (no batch axis) and must reduce to a scalar; a "
-                "loss of the whole batch gives no per-example gradients."
-            )
-            raise PergradValueError(
-                f"{spec.func_name}: fn must return a real scalar loss for one example; for a "
-                f"single example it returned {problem}.{hint}"
-            )
-        return (loss, out[1]) if spec.has_aux else loss
+        return _single_example(spec, call, kwargs, diff_values, batched_values)
 
     return single
+
+
+def _single_example(
+    spec: _Spec,
+    call: _Call,
+    kwargs: dict[str, Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+) -> Any:
+    """``fn`` on one example, with its output checked: the loss, or ``(loss, aux)``."""
+    out = spec.fn(*call.rebuild(diff_values, batched_values), **kwargs)
+    if spec.has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise PergradValueError(
+                f"{spec.func_name}: has_aux=True needs fn to return a pair (loss, aux); "
+                f"it returned {_describe(call.backend, out)}."
+            )
+        loss = out[0]
+    else:
+        loss = out
+    problem = call.backend.scalar_loss_problem(loss)
+    if problem is not None:
+        hint = (
+            " With has_aux=False, return only the loss (or pass has_aux=True)."
+            if isinstance(out, (tuple, list)) and not spec.has_aux
+            else " fn sees ONE example (no batch axis) and must reduce to a scalar; a "
+            "loss of the whole batch gives no per-example gradients."
+        )
+        raise PergradValueError(
+            f"{spec.func_name}: fn must return a real scalar loss for one example; for a "
+            f"single example it returned {problem}.{hint}"
+        )
+    return (loss, out[1]) if spec.has_aux else loss
+
+
+class _Context:
+    """A call and its keyword arguments, handed to :func:`_vectorised`'s function as one
+    unbatched argument: an object that no framework's pytree looks into."""
+
+    __slots__ = ("call", "kwargs")
+
+    def __init__(self, call: _Call, kwargs: dict[str, Any]) -> None:
+        self.call = call
+        self.kwargs = kwargs
+
+
+def _vectorised(spec: _Spec, bk: Backend) -> Callable[..., Any]:
+    """``vmap(value_and_grad(one example's loss))`` as ``f(diff_values, batched_values,
+    context)``, made once per wrapped function and backend: building the transforms on every
+    call costs as much as a small model's gradients."""
+    vectorised = spec.vectorised.get(bk.name)
+    if vectorised is None:
+
+        def single(diff_values: Any, batched_values: Any, context: _Context) -> Any:
+            return _single_example(spec, context.call, context.kwargs, diff_values, batched_values)
+
+        value_and_grad = bk.value_and_grad(single, spec.has_aux)
+        if not spec.returns_losses:
+            value_and_grad = _without_losses(value_and_grad, spec.has_aux)
+        vectorised = bk.vmap(value_and_grad, (None, 0, None), spec.chunk_size, spec.randomness)
+        spec.vectorised[bk.name] = vectorised
+    return vectorised
 
 
 def _describe(bk: Backend, x: Any) -> str:
@@ -532,6 +602,8 @@ def _describe(bk: Backend, x: Any) -> str:
 
 
 def _rebuild_grads(spec: _Spec, call: _Call, grad_leaves: Sequence[Any]) -> Any:
+    if spec.single_argnum and len(call.diff_positions) == len(call.leaves[spec.argnums[0]]):
+        return call.backend.unflatten(call.treedefs[spec.argnums[0]], grad_leaves)
     per_arg: dict[int, list[Any]] = {i: [None] * len(call.leaves[i]) for i in spec.argnums}
     for (i, j), g in zip(call.diff_positions, grad_leaves):
         per_arg[i][j] = g
@@ -539,7 +611,88 @@ def _rebuild_grads(spec: _Spec, call: _Call, grad_leaves: Sequence[Any]) -> Any:
     return trees[0] if spec.single_argnum else trees
 
 
+# Leaves that are not arrays and hold nothing: their type alone is all _prepare looks at.
+_PLAIN_LEAF_TYPES = frozenset({bool, int, float, complex, str, type(None)})
+_MAX_LAYOUTS = 16  # structures remembered per wrapped function (batch sizes, shapes, ...)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What :func:`_prepare` decided for one structure of the arguments."""
+
+    backend: Backend
+    diff_positions: tuple[tuple[int, int], ...]
+    batched_positions: tuple[tuple[int, int], ...]
+    moved_axes: tuple[tuple[int, int, int], ...]  # (argument, leaf, axis): batched off axis 0
+    float_positions: tuple[tuple[int, int], ...]  # Python floats in differentiated arguments
+    batch_size: int
+
+    def apply(self, treedefs: list[Any], leaves: list[list[Any]]) -> _Call:
+        bk = self.backend
+        for i, j in self.float_positions:
+            leaves[i][j] = bk.as_differentiable(leaves[i][j])
+        for i, j, axis in self.moved_axes:
+            leaves[i][j] = bk.moveaxis_to_front(leaves[i][j], axis)
+        return _Call(
+            bk,
+            treedefs,
+            leaves,
+            list(self.diff_positions),
+            list(self.batched_positions),
+            self.batch_size,
+        )
+
+
 def _prepare(spec: _Spec, args: tuple[Any, ...]) -> _Call:
+    """Flatten the arguments, choose the backend and place the differentiated and batched leaves.
+
+    Everything decided here (backend, in_axes, batch size, and every check) depends only on the
+    arguments' structure: per argument its treedef, and each leaf's type, with shape and dtype
+    for arrays. So a call with the structure of an earlier successful call reuses its
+    :class:`_Layout` and skips the analysis, which costs as much as the computation on small
+    models. A leaf of any other type (an object the pytree does not look into, which could
+    hold arrays of any framework) always takes the full analysis.
+    """
+    if spec.layouts:
+        bk = next(reversed(spec.layouts.values())).backend  # the most recent one
+        flat = [bk.flatten_leaves(arg) for arg in args]
+        treedefs = [treedef for _, treedef in flat]
+        leaves = [arg_leaves for arg_leaves, _ in flat]
+        layout = _lookup(spec.layouts, _structure_key(bk, treedefs, leaves))
+        if layout is not None:
+            return layout.apply(treedefs, leaves)
+    return _analyse(spec, args)
+
+
+def _lookup(layouts: dict[Any, _Layout], key: Any) -> _Layout | None:
+    if key is None:
+        return None
+    try:
+        return layouts.get(key)
+    except (TypeError, ValueError):  # a custom pytree node whose metadata cannot be compared
+        return None
+
+
+def _structure_key(bk: Backend, treedefs: list[Any], leaves: list[list[Any]]) -> Any:
+    """The structure :func:`_prepare`'s decisions depend on, hashable; None if a leaf is an
+    object whose type does not tell."""
+    key: list[Any] = [bk.name]
+    for treedef, arg_leaves in zip(treedefs, leaves):
+        signature = []
+        for x in arg_leaves:
+            kind = type(x)
+            if bk.is_array(x):
+                signature.append((kind, bk.shape(x), x.dtype))
+            elif kind in _PLAIN_LEAF_TYPES:
+                signature.append(kind)
+            else:
+                return None
+        key.append((treedef, tuple(signature)))
+    return tuple(key)
+
+
+def _analyse(spec: _Spec, args: tuple[Any, ...]) -> _Call:
+    """:func:`_prepare` for a structure not seen before: validate, infer, and remember."""
     name = spec.func_name
     if not args:
         raise PergradValueError(
@@ -559,25 +712,46 @@ def _prepare(spec: _Spec, args: tuple[Any, ...]) -> _Call:
             f"{name}: randomness={spec.randomness!r} is a PyTorch option; with {bk.name}, pass "
             f"one random key per example as a batched argument (e.g. jax.random.split(key, B))."
         )
-    treedefs, leaves, infos = [], [], []
+    treedefs, raw_leaves, leaves, infos = [], [], [], []
     for index, arg in enumerate(args):
         paths, arg_leaves, treedef = bk.flatten(arg)
+        treedefs.append(treedef)
+        raw_leaves.append(arg_leaves)
         differentiated = index in spec.argnums
         if differentiated:
             arg_leaves = [bk.as_differentiable(x) if _is_float(x) else x for x in arg_leaves]
-        treedefs.append(treedef)
         leaves.append(arg_leaves)
         infos.append(_arg_info(spec, bk, index, arg, paths, arg_leaves, differentiated))
+    float_positions = tuple(
+        (i, j) for i in spec.argnums for j, x in enumerate(raw_leaves[i]) if _is_float(x)
+    )
     diff_positions = _differentiable_positions(spec, bk, infos, leaves)
     resolved = _resolve_axes(spec, bk, args, infos)
-    batched_positions = []
-    for i, arg_axes in enumerate(resolved.axes):
-        for j, axis in enumerate(arg_axes):
-            if axis is not None:
-                batched_positions.append((i, j))
-                if axis != 0:
-                    leaves[i][j] = bk.moveaxis_to_front(leaves[i][j], axis)
-    return _Call(bk, treedefs, leaves, diff_positions, batched_positions, resolved.batch_size)
+    batched = [
+        (i, j, axis)
+        for i, arg_axes in enumerate(resolved.axes)
+        for j, axis in enumerate(arg_axes)
+        if axis is not None
+    ]
+    layout = _Layout(
+        bk,
+        tuple(diff_positions),
+        tuple((i, j) for i, j, _ in batched),
+        tuple((i, j, axis) for i, j, axis in batched if axis != 0),
+        float_positions,
+        resolved.batch_size,
+    )
+    _remember(spec.layouts, _structure_key(bk, treedefs, raw_leaves), layout)
+    return layout.apply(treedefs, raw_leaves)
+
+
+def _remember(layouts: dict[Any, _Layout], key: Any, layout: _Layout) -> None:
+    if key is None:
+        return
+    if len(layouts) >= _MAX_LAYOUTS:
+        layouts.pop(next(iter(layouts)), None)  # the oldest
+    with contextlib.suppress(TypeError, ValueError):  # as in _lookup
+        layouts[key] = layout
 
 
 def _is_float(x: Any) -> bool:

@@ -50,6 +50,10 @@ class Backend(Protocol):
     def leaves(self, tree: Any) -> list[Any]:
         """Leaves of ``tree`` only: cheaper than :meth:`flatten` (no paths)."""
 
+    def flatten_leaves(self, tree: Any) -> tuple[list[Any], Any]:
+        """Leaves and structure of ``tree`` without the paths: :meth:`flatten`'s leaves and
+        treedef, cheaper."""
+
     def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any: ...
 
     def broadcast_prefix(self, prefix: Any, tree: Any) -> list[Any] | None:

@@ -33,6 +33,9 @@ class JaxBackend:
     def leaves(self, tree: Any) -> list[Any]:
         return jax.tree_util.tree_leaves(tree)
 
+    def flatten_leaves(self, tree: Any) -> tuple[list[Any], Any]:
+        return jax.tree_util.tree_flatten(tree)
+
     def unflatten(self, treedef: Any, leaves: Sequence[Any]) -> Any:
         return jax.tree_util.tree_unflatten(treedef, list(leaves))
 
