@@ -456,18 +456,57 @@ def test_mask_leaves_padding_out(strategy):
     assert_clipped_sums_close(clipped, expected, t_numpy, mask)
 
 
-def test_per_group_bounds_go_to_the_materialized_path_under_auto():
-    loss, args = make(GHOST_ZOO["mlp"])
-    bounds = {name: 0.3 for name in args[0]}
-    choice = choose_strategy(loss, *args)
-    assert choice.strategy == "ghost"
-    clipped = clipped_sum_of(loss, *args, max_norm=bounds)
-    expected = pergrad.dp.clipped_sum(materialized(loss, args), bounds)
+def per_group_bounds(params: dict, grads: Any) -> dict:
+    """A bound per parameter, each near the median of that parameter's per-example norms, so
+    every group clips some examples and not others; a layer's weight and bias differ."""
+    norms = pergrad.norms.per_example_norms(grads, per_layer=True)
+    return {name: float(norms[name].median()) * (0.9 if "bias" in name else 1.1) for name in params}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "chunked"])
+def test_per_group_bounds_without_materializing(strategy):
+    loss, args = make(GHOST_ZOO["small_cnn"])
+    grads = materialized(loss, args)
+    bounds = per_group_bounds(args[0], grads)
+    mask = torch.tensor([True, True, False, True, True, True])
+    with NoFallback():
+        clipped = clipped_sum_of(loss, *args, max_norm=bounds, mask=mask, strategy=strategy)
+    expected = pergrad.dp.clipped_sum(grads, bounds, mask=mask)
+    assert choose_strategy(loss, *args, strategy=strategy).strategy != "materialize"
     assert len(clipped.norms) == len(bounds)  # one (B,) norm per group
+    for actual_norms, expected_norms in zip(clipped.norms, expected.norms):
+        assert_close(t_numpy(actual_norms), t_numpy(expected_norms))
+    assert clipped.sensitivity == pytest.approx(expected.sensitivity)
+    assert float(clipped.count) == 5
+    assert 0 < float(clipped.clip_fraction) <= 1
     for name in expected.sum:
         assert_close(t_numpy(clipped.sum[name]), t_numpy(expected.sum[name]))
-    with pytest.raises(ValueError, match="per-group bounds"):
-        clipped_sum_of(loss, *args, max_norm=bounds, strategy="ghost")
+
+
+def test_per_group_bounds_as_a_prefix_of_the_parameters():
+    """Two groups of two parameters each (one per layer), given as a list prefix; a plain
+    function of the parameters, so the chunked strategy, one weighted backward per group."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+
+    def grouped(p, x, y):  # parameters as a list of two dicts: a pytree prefix of two bounds
+        return loss({**p[0], **p[1]}, x, y)
+
+    params = loss.params()
+    split = [
+        {k: v for k, v in params.items() if k.startswith("0.")},
+        {k: v for k, v in params.items() if k.startswith("2.")},
+    ]
+    grads = pergrad.per_example_grads(grouped)(split, x, y)
+    expected = pergrad.dp.clipped_sum(grads, [0.2, 0.4])
+    clipped = clipped_sum_of(grouped, split, x, y, max_norm=[0.2, 0.4])
+    assert choose_strategy(grouped, split, x, y).strategy == "chunked"
+    for part, expected_part in zip(clipped.sum, expected.sum):
+        for name in expected_part:
+            assert_close(t_numpy(part[name]), t_numpy(expected_part[name]))
+    assert clipped.sensitivity == pytest.approx((0.2**2 + 0.4**2) ** 0.5)
 
 
 def test_plain_torch_function_goes_chunked():

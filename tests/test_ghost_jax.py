@@ -345,6 +345,37 @@ def test_dense_rule_picks_gram_or_formed_by_cost():
     assert_close(jax_ghost._dense_squared_norms(long_a, long_d), np.full(2, 300.0**2 * 20))
 
 
+# --- per-group clipping ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "chunked"])
+def test_per_group_bounds_without_materializing(strategy):
+    """A group per part of a transformer block (attention, MLP, two layer norms), under jit."""
+    forward, params, xs = ZOO["transformer_block"]()
+    ys = targets_for(forward, params, xs, seed=8)
+    loss = mse_loss(forward)
+    grads = pergrad.per_example_grads(loss)(params, xs, ys)
+    per_leaf = pergrad.norms.per_example_norms(grads, per_layer=True)
+
+    def median_norm(group: str) -> float:
+        squares = sum(np.asarray(n) ** 2 for n in jax.tree_util.tree_leaves(per_leaf[group]))
+        return float(np.median(np.sqrt(squares)))
+
+    # attention and MLP at their median norm: some examples clipped in each group, some not
+    bounds = {group: median_norm(group) if group in ("attn", "mlp") else 1.0 for group in params}
+    mask = jnp.asarray([True, False, True])
+    expected = pergrad.dp.clipped_sum(grads, bounds, mask=mask)
+    clipped = jax.jit(
+        lambda p, x, y, m: clipped_sum_of(loss, p, x, y, max_norm=bounds, mask=m, strategy=strategy)
+    )(params, xs, ys, mask)
+    assert_trees_close(clipped.sum, expected.sum)
+    assert len(clipped.norms) == len(expected.norms) == len(bounds)
+    for actual, reference in zip(clipped.norms, expected.norms):
+        assert_close(actual, reference)
+    assert clipped.sensitivity == pytest.approx(expected.sensitivity)
+    assert float(clipped.count) == 2
+
+
 # --- DP-SGD through the ghost path -----------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from pergrad._src.api import _Call, _prepare, _rebuild_grads, _Spec, per_example
 from pergrad._src.clipping import (
     ClippedSum,
     _check_positive,
+    _groups,
     check_private_settings,
     clipped_sum,
     noisy_mean,
@@ -136,15 +137,17 @@ def clipped_sum_of(
 
     Args:
       fn, *args, argnums, in_axes, strategy, chunk_size: as for :func:`per_example_norms_of`.
-      max_norm: the clipping bound, a positive number. (A pytree of per-group bounds, as
-        :func:`pergrad.dp.clipped_sum` takes, needs ``strategy="materialize"``; ``"auto"``
-        takes it for them.)
+      max_norm: the clipping bound, a positive number; or, for per-layer clipping, a pytree
+        prefix of the differentiated argument with one bound per group, as
+        :func:`pergrad.dp.clipped_sum` takes (``{"encoder": 1.0, "head": 0.5}``): each group's
+        gradient is clipped to its bound, and ``norms`` is then a list of ``(B,)`` group norms.
       mask: optional ``(B,)`` booleans or 0/1, False for padding examples, which then
         contribute nothing.
 
     Returns:
       A :class:`pergrad.dp.ClippedSum`: ``sum`` like the differentiated argument (no batch
-      axis), ``norms`` ``(B,)``, ``clip_fraction``, ``sensitivity`` (``max_norm``), ``count``.
+      axis), ``norms`` ``(B,)``, ``clip_fraction``, ``sensitivity`` (``max_norm``, or
+      ``sqrt(sum bounds^2)`` per group), ``count``.
 
     Example::
 
@@ -156,34 +159,55 @@ def clipped_sum_of(
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group:
         _check_positive(func_name, "max_norm", max_norm)
-    spec, call, choice = _setup(
-        func_name, fn, args, argnums, in_axes, strategy, chunk_size, per_group=per_group
-    )
+    spec, call, choice = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
     if mask is not None:
         _check_mask(func_name, call, mask)
     if choice.strategy == "materialize":
         grads = per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
         return clipped_sum(grads, max_norm, mask=mask)
-    bound = float(max_norm)
+    ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [float(max_norm)])
+
+    def group_norms(squared: list[Any]) -> list[Any]:
+        if ids is None:
+            return [_global_norms(squared)]
+        return [
+            _global_norms([s for s, g in zip(squared, ids) if g == group])
+            for group in range(len(bounds))
+        ]
 
     def weights_from(squared: list[Any]) -> Any:
-        factors, real = _factors_and_real(_global_norms(squared), bound, mask)
-        return factors * real
+        norms = group_norms(squared)
+        weights = [_factors_and_real(n, b, mask)[0] * _real(n, mask) for n, b in zip(norms, bounds)]
+        # one array object per group: the strategies compute each group's sum once
+        return weights[0] if ids is None else [weights[g] for g in ids]
 
     reduction = _reduce(spec, call, fn, choice, strategy, weights_from)
-    norms = _global_norms(reduction.squared_norms)
-    factors, real = _factors_and_real(norms, bound, mask)
+    norms = group_norms(reduction.squared_norms)
+    real = _real(norms[0], mask)
     count = real.sum()
     # norms > bound, not factors < 1: bound / norm can round to just under 1 for a norm at or
     # below the bound (float32, a bound not representable in it).
-    clipped = ((norms > bound) * 1.0) * real
+    clipped = sum((n > b) * 1.0 for n, b in zip(norms, bounds)).clip(max=1.0) * real
     return ClippedSum(
         sum=_rebuild_grads(spec, call, reduction.weighted_sums),
-        norms=norms,
+        norms=norms[0] if ids is None else norms,
         clip_fraction=clipped.sum() / count.clip(min=1.0),
-        sensitivity=bound,
+        sensitivity=sum(b * b for b in bounds) ** 0.5,
         count=count,
     )
+
+
+def _group_ids(spec: _Spec, call: _Call, max_norm: Any) -> tuple[list[int], list[float]]:
+    """Each differentiated leaf's group and each group's bound, for per-group ``max_norm``."""
+    template = _rebuild_grads(spec, call, [call.leaves[i][j] for i, j in call.diff_positions])
+    ids, bounds = _groups(spec.func_name, call.backend, template, max_norm)
+    if len(ids) != len(call.diff_positions):
+        raise PergradValueError(
+            f"{spec.func_name}: cannot match the per-group max_norm to the differentiated "
+            f"parameters ({len(ids)} leaves against {len(call.diff_positions)}); pass "
+            f"strategy='materialize', or one number as max_norm."
+        )
+    return ids, bounds
 
 
 def private_grad_of(
@@ -267,7 +291,6 @@ def _setup(
     in_axes: Any,
     strategy: Any,
     chunk_size: Any,
-    per_group: bool = False,
 ) -> tuple[_Spec, _Call, StrategyChoice]:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PergradValueError(
@@ -276,8 +299,8 @@ def _setup(
     spec = _Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
     call = _prepare(spec, args)
     if call.backend.name == "jax":
-        return spec, call, _choose_jax(spec, call, args, strategy, chunk_size, per_group)
-    return spec, call, _choose(spec, call, fn, args, strategy, chunk_size, per_group)
+        return spec, call, _choose_jax(spec, call, args, strategy, chunk_size)
+    return spec, call, _choose(spec, call, fn, args, strategy, chunk_size)
 
 
 def _choose(
@@ -287,15 +310,13 @@ def _choose(
     args: tuple[Any, ...],
     strategy: str,
     chunk_size: int | None,
-    per_group: bool,
 ) -> StrategyChoice:
     name = spec.func_name
     plan = _ghost_plan(spec, fn, args)
     unsupported = dict(plan.unsupported) if plan is not None else {}
-    _check_per_group(name, strategy, per_group)
     if strategy == "ghost":
         _check_ghost_possible(name, fn, plan)
-    early = _materialize_choice(call, strategy, chunk_size, per_group)
+    early = _materialize_choice(call, strategy, chunk_size)
     if early is not None:
         return early
     if strategy == "ghost" or (strategy == "auto" and plan is not None and not unsupported):
@@ -321,24 +342,14 @@ def _choose(
     return StrategyChoice("chunked", why, chunk, layers, unsupported)
 
 
-def _check_per_group(name: str, strategy: str, per_group: bool) -> None:
-    if per_group and strategy in ("ghost", "chunked"):
-        raise PergradValueError(
-            f"{name}: per-group bounds (max_norm as a pytree) need strategy='materialize' or "
-            f"'auto'; strategy={strategy!r} clips each example's whole gradient. Pass one "
-            f"positive number as max_norm."
-        )
-
-
 def _materialize_choice(
-    call: _Call, strategy: str, chunk_size: int | None, per_group: bool
+    call: _Call, strategy: str, chunk_size: int | None
 ) -> StrategyChoice | None:
-    """The choice for an empty batch, a requested "materialize" or per-group bounds; else None."""
+    """The choice for an empty batch or a requested "materialize"; else None."""
     if call.batch_size == 0:
         return StrategyChoice("materialize", "empty batch", chunk_size)
-    if strategy == "materialize" or (strategy == "auto" and per_group):
-        why = "requested" if strategy == "materialize" else "per-group bounds"
-        return StrategyChoice("materialize", why, chunk_size)
+    if strategy == "materialize":
+        return StrategyChoice("materialize", "requested", chunk_size)
     return None
 
 
@@ -348,12 +359,10 @@ def _choose_jax(
     args: tuple[Any, ...],
     strategy: str,
     chunk_size: int | None,
-    per_group: bool,
 ) -> StrategyChoice:
     """JAX: ghost when parameters enter through contractions and the rest stay small."""
     name = spec.func_name
-    _check_per_group(name, strategy, per_group)
-    early = _materialize_choice(call, strategy, chunk_size, per_group)
+    early = _materialize_choice(call, strategy, chunk_size)
     if early is not None:
         return early
     if strategy == "chunked":
@@ -479,8 +488,12 @@ def _factors_and_real(norms: Any, bound: float, mask: Any) -> tuple[Any, Any]:
     """Clip factors ``min(1, bound / norm)`` (1 for a zero norm) and the real-example weights,
     computed as :func:`pergrad.dp.clipped_sum` does."""
     factors = bound / norms.clip(min=bound)
-    real = factors * 0 + 1.0 if mask is None else mask * 1.0
-    return factors, real
+    return factors, _real(factors, mask)
+
+
+def _real(like: Any, mask: Any) -> Any:
+    """1 for real examples, 0 for padding: ``(B,)`` like ``like``."""
+    return like * 0 + 1.0 if mask is None else mask * 1.0
 
 
 def _check_mask(func_name: str, call: _Call, mask: Any) -> None:

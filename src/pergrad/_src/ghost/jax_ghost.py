@@ -244,14 +244,16 @@ def ghost(
         squared[k] = _site_squared_norms(site, diff[k], inputs[site.path], cotangents[site.path])
     if weights_from is None:
         return Reduction(squared, None)
-    weights = jax.lax.stop_gradient(weights_from(squared))
+    weights = weights_from(squared)
+    per_leaf = weights if isinstance(weights, list) else [weights] * len(diff)
+    per_leaf = [jax.lax.stop_gradient(w) for w in per_leaf]
     sums: list[Any] = [None] * len(diff)
     for k, g in zip(other_leaves, other_grads):
-        sums[k] = jnp.tensordot(weights.astype(g.dtype), g, axes=1)
+        sums[k] = jnp.tensordot(per_leaf[k].astype(g.dtype), g, axes=1)
     for k in ghost_leaves:
         site = ghost_plan.sites[k]
         sums[k] = _site_weighted_sum(
-            site, diff[k], inputs[site.path], cotangents[site.path], weights
+            site, diff[k], inputs[site.path], cotangents[site.path], per_leaf[k]
         )
     return Reduction(squared, sums)
 

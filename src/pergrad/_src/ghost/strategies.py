@@ -29,8 +29,18 @@ from pergrad._src.errors import FallbackWarning
 # (128 MB in float32): big enough that per-chunk overhead vanishes, small next to B x P.
 _DEFAULT_CHUNK_NUMBERS = 2**25
 
-# weights_from(squared_norms_per_leaf) -> (B,) weights of the examples in the clipped sum
+# weights_from(squared_norms_per_leaf) -> (B,) weights of the examples in the clipped sum, or
+# one (B,) array per leaf (per-group clipping; leaves of one group share the array object)
 WeightsFn = Callable[[list[Any]], Any]
+
+
+def weight_groups(weights: Any, num_leaves: int) -> list[tuple[Any, list[int]]]:
+    """``[(weights, leaf indices)]``: the leaves that share one ``(B,)`` weight array."""
+    per_leaf = weights if isinstance(weights, list) else [weights] * num_leaves
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for k, w in enumerate(per_leaf):
+        groups.setdefault(id(w), (w, []))[1].append(k)
+    return list(groups.values())
 
 
 class Reduction(NamedTuple):
@@ -69,8 +79,9 @@ def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn |
         return _looped(spec, bk, single, diff, batched, call.batch_size, weights_from)
     if weights_from is None:
         return Reduction(squared, None)
-    weights = bk.stop_gradient(weights_from(squared))
-    return Reduction(squared, _weighted_gradient(spec, bk, single, diff, batched, weights))
+    return Reduction(
+        squared, _weighted_gradient(spec, bk, single, diff, batched, weights_from(squared))
+    )
 
 
 def _vectorised_squared_norms(
@@ -112,13 +123,25 @@ def _weighted_gradient(
     batched: tuple[Any, ...],
     weights: Any,
 ) -> list[Any]:
+    """One batch gradient of the weighted loss per group of leaves that share weights."""
     losses_of = bk.vmap(single, (None, 0), None, spec.randomness)
+    sums: list[Any] = [None] * len(diff)
+    for group_weights, leaves in weight_groups(weights, len(diff)):
 
-    def weighted_loss(diff_values: Any, examples: Any, example_weights: Any) -> Any:
-        return (losses_of(diff_values, examples) * example_weights).sum()
+        def weighted_loss(
+            subset: Any, examples: Any, example_weights: Any, leaves: list[int] = leaves
+        ) -> Any:
+            values = list(diff)
+            for k, value in zip(leaves, subset):
+                values[k] = value
+            return (losses_of(tuple(values), examples) * example_weights).sum()
 
-    _, grads = bk.value_and_grad(weighted_loss, False)(diff, batched, weights)
-    return list(grads)
+        subset = tuple(diff[k] for k in leaves)
+        example_weights = bk.stop_gradient(group_weights)
+        _, grads = bk.value_and_grad(weighted_loss, False)(subset, batched, example_weights)
+        for k, g in zip(leaves, grads):
+            sums[k] = g
+    return sums
 
 
 def _looped(
@@ -142,8 +165,10 @@ def _looped(
     squared = [bk.stack(column) for column in zip(*per_example)]
     if weights_from is None:
         return Reduction(squared, None)
-    weights = bk.stop_gradient(weights_from(squared))
+    weights = weights_from(squared)
+    per_leaf = weights if isinstance(weights, list) else [weights] * len(diff)
+    per_leaf = [bk.stop_gradient(w) for w in per_leaf]
     sums = [leaf * 0 for leaf in diff]
     for i in range(batch_size):
-        sums = [s + weights[i] * g for s, g in zip(sums, grads_of(i))]
+        sums = [s + w[i] * g for s, w, g in zip(sums, per_leaf, grads_of(i))]
     return Reduction(squared, sums)

@@ -54,7 +54,7 @@ from torch import nn
 from pergrad._src.api import _Call, _Spec
 from pergrad._src.errors import PergradValueError, is_pergrad_error
 from pergrad._src.ghost import GhostUnsupported, rule_for
-from pergrad._src.ghost.strategies import Reduction, WeightsFn
+from pergrad._src.ghost.strategies import Reduction, WeightsFn, weight_groups
 from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
 
@@ -150,10 +150,14 @@ def ghost(
         return Reduction(squared, None)
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
     # weight: one weight-gradient computation, no second backward pass.
-    weights = weights_from(squared).detach()
     sums: list[Any] = [torch.zeros_like(x) for x in diff]
-    for name, value in _per_layer(modules, records, params, _weighted_sum_of(weights)):
-        sums[position[id(params[name])]] = value
+    for weights, leaves in weight_groups(weights_from(squared), len(diff)):
+        group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
+        owners = {m: module for m, module in modules.items() if _owns_any(m, module, group)}
+        computed = _per_layer(owners, records, params, _weighted_sum_of(weights.detach()))
+        for name, value in computed:
+            if name in group:
+                sums[position[id(params[name])]] = value
     return Reduction(squared, sums)
 
 
@@ -172,6 +176,11 @@ def _one_parameter_per_layer(
         if own:
             chosen.append(min(own, key=lambda p: p.numel()))
     return chosen
+
+
+def _owns_any(module_name: str, module: nn.Module, names: set[str]) -> bool:
+    prefix = f"{module_name}." if module_name else ""
+    return any(prefix + name in names for name, _ in module.named_parameters(recurse=False))
 
 
 def _squared_norms_of(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
