@@ -8,8 +8,10 @@ For each workload and batch size, every available method (see ``benchmarks/metho
 built, checked once against the per-example gradients of a Python loop (max abs error; norms for
 norm-only methods, the batch mean for the floors), then timed: after warm-up, every round calls
 each method of a framework once in a rotated order (torch and JAX methods in separate blocks, so
-one framework's busy thread pool does not slow the other). Peak memory comes from a fresh process
-per (workload, method): see ``benchmarks/memory.py``.
+one framework's busy thread pool does not slow the other). Each framework's block also times
+writing B x P numbers, for the floor of per-example gradients (batch gradient + write).
+Peak memory comes from a fresh process per (workload, method), one per method for all the batch
+sizes of the sweep: see ``benchmarks/memory.py``.
 
 Writes ``results.json``, ``results.md`` and PNG plots under ``--out`` (default
 ``benchmarks/results/<device>/``).
@@ -30,8 +32,17 @@ import torch
 from benchmarks import report
 from benchmarks.core_overhead import paired_ratio, time_interleaved
 from benchmarks.machine import load_average
-from benchmarks.memory import measure
-from benchmarks.methods import FLOORS, LOOP, METHODS, METHODS_BY_NAME, max_abs_error
+from benchmarks.memory import measure, measure_sizes
+from benchmarks.methods import (
+    FLOORS,
+    LOOP,
+    LOOPS,
+    METHODS,
+    METHODS_BY_NAME,
+    WRITES,
+    Method,
+    max_abs_error,
+)
 from benchmarks.workloads import WORKLOADS, Workload, batch_sizes, build
 
 
@@ -90,7 +101,6 @@ def build_calls(workload: Workload, batch_size: int, methods: list) -> tuple[dic
 
 def rows_for(workload, batch_size, calls, errors, failures, times, memory) -> list[dict]:
     rows = []
-    loop_times = times.get(LOOP)
     for name in [m.name for m in METHODS if m.name in calls or m.name in failures]:
         method = METHODS_BY_NAME[name]
         row = {
@@ -105,13 +115,17 @@ def rows_for(workload, batch_size, calls, errors, failures, times, memory) -> li
             continue
         seconds = times[name]
         floor = times.get(FLOORS[method.framework])
+        loop = times.get(LOOPS[method.framework])
         row |= {
             "status": "ok",
             "median_ms": 1e3 * statistics.median(seconds),
             "min_ms": 1e3 * min(seconds),
             "times_ms": [1e3 * s for s in seconds],
             "ratio_to_floor": paired_ratio(seconds, floor) if floor else None,
-            "speedup_over_loop": speedup(method.framework, loop_times, seconds),
+            "ratio_to_kind_floor": ratio_to_kind_floor(method, times),
+            "speedup_over_loop": (
+                paired_ratio(loop, seconds) if loop and method.kind != "write" else None
+            ),
             "max_abs_err": errors[name],
         }
         row |= memory.get(name, {})
@@ -119,13 +133,28 @@ def rows_for(workload, batch_size, calls, errors, failures, times, memory) -> li
     return rows
 
 
-def speedup(framework: str, loop: list[float] | None, seconds: list[float]) -> float | None:
-    """Loop / method: paired per round for torch; ratio of medians for JAX (timed apart)."""
-    if not loop:
+def ratio_to_kind_floor(method: Method, times: dict) -> float | None:
+    """Method / the floor of what it computes, paired per round: per-example gradients against
+    the batch gradient plus the write of their B x P numbers, norms against the batch gradient."""
+    floor = times.get(FLOORS[method.framework])
+    if not floor or method.kind not in ("grads", "norms"):
         return None
-    if framework == "torch":
-        return paired_ratio(loop, seconds)
-    return statistics.median(loop) / statistics.median(seconds)
+    if method.kind == "norms":
+        return paired_ratio(times[method.name], floor)
+    write = times.get(WRITES[method.framework])
+    if not write:
+        return None
+    return paired_ratio(times[method.name], [b + w for b, w in zip(floor, write)])
+
+
+def add_sweep_memory(workload: str, sizes: tuple[int, ...], rows: list[dict]) -> None:
+    """Peak memory of every method at every batch size of a sweep: one process per method."""
+    for method in dict.fromkeys(r["method"] for r in rows if r["status"] == "ok"):
+        print(f"{workload}: peak memory of {method!r} at B={sizes}...", file=sys.stderr)
+        by_size = measure_sizes(workload, method, sizes)
+        for row in rows:
+            if row["method"] == method and row["status"] == "ok":
+                row |= by_size[row["batch_size"]]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -140,7 +169,9 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for name in args.workloads:
         workload = WORKLOADS[name]
-        for batch_size in batch_sizes(workload, args.quick):
+        sizes = batch_sizes(workload, args.quick)
+        workload_rows = []
+        for batch_size in sizes:
             print(f"{name} (B={batch_size}, {rounds} rounds)...", file=sys.stderr)
             calls, errors, failures, times = {}, {}, {}, {}
             # One framework at a time, built and timed in one go: JAX's compile and thread pool
@@ -151,9 +182,12 @@ def run(args: argparse.Namespace) -> dict:
                 calls, errors, failures = calls | c, errors | e, failures | f
                 times |= time_interleaved(c, rounds, warmup) if c else {}
             memory = {}
-            if memory_on and name != "sweep":
+            if memory_on and len(sizes) == 1:
                 memory = {m: measure(name, m, batch_size) for m in calls}
-            rows += rows_for(workload, batch_size, calls, errors, failures, times, memory)
+            workload_rows += rows_for(workload, batch_size, calls, errors, failures, times, memory)
+        if memory_on and len(sizes) > 1:
+            add_sweep_memory(name, sizes, workload_rows)
+        rows += workload_rows
     return {
         "machine": report.machine_info(),
         "run": {

@@ -1,14 +1,16 @@
 """Peak memory of one call of one method, measured in a fresh process.
 
 ``measure(workload, method, batch_size)`` runs ``python -m benchmarks.memory ...`` from the
-repository root. The child builds the workload and the method, calls it once (JAX compiles
-then), then, on Linux, resets the process's peak resident set size (``/proc/self/clear_refs``)
-and calls it again: the figure is the peak RSS during that second call minus the RSS just
-before it, so it counts the call's working memory and its result, not the imports, the model,
-the data or JIT compilation. glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so
+repository root; ``measure_sizes(workload, method, sizes)`` does the same for several batch
+sizes in one child (the sweep), one after the other. For each batch size the child builds the
+workload and the method, calls it once (JAX compiles then), then, on Linux, resets the
+process's peak resident set size (``/proc/self/clear_refs``) and calls it again: the figure is
+the peak RSS during that second call minus the RSS just before it, so it counts the call's
+working memory and its result, not the imports, the model, the data or JIT compilation. glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so
 that large buffers freed after the first call go back to the OS instead of being reused
 unseen. Where the peak cannot be reset, the figure is ``ru_maxrss`` after the first call minus
-the RSS before it (so it includes compilation); the JSON says which.
+the RSS before it (so it includes compilation, and in a sweep only what a batch size adds to the
+peak of the smaller ones); the JSON says which.
 
 On CUDA, torch methods report ``torch.cuda.max_memory_allocated`` over the second call instead.
 """
@@ -27,14 +29,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(workload: str, method: str, batch_size: int, timeout: float = 300) -> dict:
+    return measure_sizes(workload, method, (batch_size,), timeout)[batch_size]
+
+
+def measure_sizes(
+    workload: str, method: str, sizes: tuple[int, ...], timeout: float = 600
+) -> dict[int, dict]:
+    """``{batch size: {"peak_mib": ..., "how": ...}}``, measured in one fresh process."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    command = [sys.executable, "-m", "benchmarks.memory", workload, method, str(batch_size)]
+    command = [sys.executable, "-m", "benchmarks.memory", workload, method]
+    command += [str(size) for size in sizes]
     done = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     if done.returncode != 0:
-        return {"peak_mib": None, "how": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        failed = {"peak_mib": None, "how": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
+        return dict.fromkeys(sizes, failed)
+    by_size = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(size): result for size, result in by_size.items()}
 
 
 def _status_kib(field: str) -> int:
@@ -54,15 +66,26 @@ def _reset_peak() -> bool:
         return False
 
 
-def _child(workload_name: str, method_name: str, batch_size: int) -> dict:
+def _child(workload_name: str, method_name: str, sizes: list[int]) -> dict[int, dict]:
     import warnings
 
+    warnings.simplefilter("ignore")
+    by_size = {}
+    for size in sizes:
+        try:
+            by_size[size] = _measure_one(workload_name, method_name, size)
+        except Exception as e:  # unsupported at this size: the others still count
+            by_size[size] = {"peak_mib": None, "how": f"failed: {type(e).__name__}: {e}"[:200]}
+        gc.collect()
+    return by_size
+
+
+def _measure_one(workload_name: str, method_name: str, batch_size: int) -> dict:
     import torch
 
     from benchmarks.methods import METHODS_BY_NAME, torch_device
     from benchmarks.workloads import WORKLOADS, build
 
-    warnings.simplefilter("ignore")
     method = METHODS_BY_NAME[method_name]
     workload = WORKLOADS[workload_name]
     call = method.build(workload, *build(workload, batch_size))
@@ -91,4 +114,4 @@ def _child(workload_name: str, method_name: str, batch_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(_child(sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3:]])))

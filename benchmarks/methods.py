@@ -5,7 +5,11 @@ whole batch, one of:
 
 * ``kind == "grads"``: per-example gradients, ``{param name: (B, *shape)}``;
 * ``kind == "norms"``: per-example gradient norms, ``(B,)``;
-* ``kind == "batch"``: the gradient of the mean loss, ``{param name: shape}`` (the floor).
+* ``kind == "batch"``: the gradient of the mean loss, ``{param name: shape}`` (the floor);
+* ``kind == "write"``: fresh float32 arrays of the shapes of the per-example gradients, filled:
+  the cost of writing ``B x P`` numbers (``P`` parameters). The floor of a per-example
+  gradient method is the batch gradient plus this write; that of a norm method, the batch
+  gradient alone.
 
 Every call blocks until its result is computed (``jax.block_until_ready``, CUDA synchronize).
 A method whose package is missing is skipped; one that raises on a workload is reported as
@@ -34,7 +38,7 @@ Call = Callable[[], Any]
 class Method:
     name: str
     framework: str  # "torch" | "jax": which floor it is compared to
-    kind: str  # "grads" | "norms" | "batch"
+    kind: str  # "grads" | "norms" | "batch" | "write"
     requires: tuple[str, ...]  # importable module names
     build: Callable[[Workload, nn.Module, np.ndarray, np.ndarray], Call]
 
@@ -76,6 +80,11 @@ def detached_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def result_shapes(model: nn.Module, x: np.ndarray) -> dict[str, tuple[int, ...]]:
+    """``{param name: (B, *param shape)}``: the per-example gradients, B x P numbers in all."""
+    return {name: (len(x), *p.shape) for name, p in model.named_parameters()}
+
+
 # --------------------------------------------------------------------------------------------
 # PyTorch.
 
@@ -114,14 +123,23 @@ def build_pergrad_torch(workload, model, x, y) -> Call:
     return synced(lambda: fn(params, x_t, y_t))
 
 
-def build_pergrad_ghost_norms(workload, model, x, y) -> Call:
+def build_torch_write(workload, model, x, y) -> Call:
+    shapes = result_shapes(model, x)
+    device = torch_device()
+
+    def call() -> dict[str, torch.Tensor]:  # the default dtype: the model's, and its gradients'
+        return {name: torch.full(shape, 1.0, device=device) for name, shape in shapes.items()}
+
+    return synced(call)
+
+
+def build_pergrad_norms_torch(workload, model, x, y) -> Call:
     import pergrad
-    from pergrad._src.ghost.api import per_example_norms_of  # not public yet
 
     model, x_t, y_t = torch_inputs(model, x, y)
     loss = pergrad.module_loss(model, lambda out, t: torch_loss(workload, out, t))
     params = loss.params()
-    return synced(lambda: per_example_norms_of(loss, params, x_t, y_t))
+    return synced(lambda: pergrad.norms.per_example_norms_of(loss, params, x_t, y_t))
 
 
 def build_torch_func(workload, model, x, y) -> Call:
@@ -227,6 +245,33 @@ def build_pergrad_jax(workload, model, x, y) -> Call:
     return blocking(jax.jit(pergrad.per_example_grads(one_loss)), params, x_j, y_j)
 
 
+def build_jax_loop(workload, model, x, y) -> Call:
+    import jax
+    import jax.numpy as jnp
+
+    params, x_j, y_j, _, one_loss = jax_setup(workload, model, x, y)
+    one_grad = jax.jit(jax.grad(one_loss))
+
+    def call() -> dict[str, Any]:
+        rows = [one_grad(params, x_j[i], y_j[i]) for i in range(len(x_j))]
+        return jax.block_until_ready(jax.tree.map(lambda *column: jnp.stack(column), *rows))
+
+    return call
+
+
+def build_jax_write(workload, model, x, y) -> Call:
+    import jax
+    import jax.numpy as jnp
+
+    shapes = result_shapes(model, x)
+
+    @jax.jit
+    def fill(value: Any) -> dict[str, Any]:  # an argument: XLA cannot fold it into constants
+        return {name: jnp.full(shape, value, jnp.float32) for name, shape in shapes.items()}
+
+    return blocking(fill, np.float32(1.0))
+
+
 def build_jax_vmap(workload, model, x, y) -> Call:
     import jax
 
@@ -235,9 +280,24 @@ def build_jax_vmap(workload, model, x, y) -> Call:
     return blocking(fn, params, x_j, y_j)
 
 
-LOOP = "torch loop"
+def build_pergrad_norms_jax(workload, model, x, y) -> Call:
+    import jax
+
+    import pergrad
+
+    params, x_j, y_j, _, one_loss = jax_setup(workload, model, x, y)
+
+    def norms(params, x, y):
+        return pergrad.norms.per_example_norms_of(one_loss, params, x, y)
+
+    return blocking(jax.jit(norms), params, x_j, y_j)
+
+
+LOOPS = {"torch": "torch loop", "jax": "jax loop"}  # each framework's speed-up reference
+LOOP = LOOPS["torch"]  # the reference of every correctness check
 METHODS = [
     Method("torch batch grad (floor)", "torch", "batch", (), build_torch_floor),
+    Method("torch write B×P", "torch", "write", (), build_torch_write),
     Method(LOOP, "torch", "grads", (), build_torch_loop),
     Method("pergrad (torch)", "torch", "grads", ("pergrad",), build_pergrad_torch),
     Method("torch.func vmap(grad)", "torch", "grads", (), build_torch_func),
@@ -245,19 +305,17 @@ METHODS = [
     Method("opacus ghost norms", "torch", "norms", ("opacus",), build_opacus_ghost_norms),
     Method("backpack BatchGrad", "torch", "grads", ("backpack",), build_backpack("BatchGrad")),
     Method("backpack BatchL2Grad", "torch", "norms", ("backpack",), build_backpack("BatchL2Grad")),
-    Method(
-        "pergrad ghost norms (torch, private API)",
-        "torch",
-        "norms",
-        ("pergrad._src.ghost",),
-        build_pergrad_ghost_norms,
-    ),
+    Method("pergrad norms (torch)", "torch", "norms", ("pergrad",), build_pergrad_norms_torch),
     Method("jax batch grad (floor)", "jax", "batch", ("jax",), build_jax_floor),
+    Method("jax write B×P", "jax", "write", ("jax",), build_jax_write),
+    Method(LOOPS["jax"], "jax", "grads", ("jax",), build_jax_loop),
     Method("pergrad (jax, jit)", "jax", "grads", ("jax", "pergrad"), build_pergrad_jax),
     Method("jax jit(vmap(grad))", "jax", "grads", ("jax",), build_jax_vmap),
+    Method("pergrad norms (jax, jit)", "jax", "norms", ("jax", "pergrad"), build_pergrad_norms_jax),
 ]
 METHODS_BY_NAME = {m.name: m for m in METHODS}
 FLOORS = {m.framework: m.name for m in METHODS if m.kind == "batch"}
+WRITES = {m.framework: m.name for m in METHODS if m.kind == "write"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +333,11 @@ def norms_of(grads: dict[str, Any]) -> np.ndarray:
     return np.sqrt(sum((f.astype(np.float64) ** 2).sum(1) for f in flat))
 
 
-def max_abs_error(kind: str, result: Any, loop_grads: dict[str, Any]) -> float:
-    """Max abs difference from the loop: grads leaf by leaf, norms, or the batch mean."""
+def max_abs_error(kind: str, result: Any, loop_grads: dict[str, Any]) -> float | None:
+    """Max abs difference from the loop: grads leaf by leaf, norms, or the batch mean; None for
+    the write of B x P numbers, which computes nothing."""
+    if kind == "write":
+        return None
     if kind == "norms":
         return float(np.max(np.abs(to_numpy(result) - norms_of(loop_grads))))
     reference = {k: to_numpy(v) for k, v in loop_grads.items()}

@@ -53,8 +53,8 @@ def fmt(value, spec: str, suffix: str = "") -> str:
 
 
 def summary_table(rows: list[dict]) -> str:
-    header = ["workload", "B", "method", "median ms", "/ floor", "speed-up over loop"]
-    header += ["max abs err vs loop", "peak MiB"]
+    header = ["workload", "B", "method", "median ms", "/ floor", "/ floor of its kind"]
+    header += ["speed-up over loop", "max abs err vs loop", "peak MiB"]
     lines = []
     for r in rows:
         if r["status"] != "ok":
@@ -68,6 +68,7 @@ def summary_table(rows: list[dict]) -> str:
                 r["method"],
                 fmt(r["median_ms"], ".2f"),
                 fmt(r["ratio_to_floor"], ".2f", "x"),
+                fmt(r.get("ratio_to_kind_floor"), ".2f", "x"),
                 fmt(r["speedup_over_loop"], ".1f", "x"),
                 fmt(r["max_abs_err"], ".1e"),
                 fmt(r.get("peak_mib"), ".1f"),
@@ -96,12 +97,17 @@ def header(results: dict) -> str:
 
 NOTES = """\
 - median ms: median over the timed rounds. `/ floor`: median of the per-round ratio to the batch
-  gradient of the same framework (torch or JAX). Speed-up over loop: torch loop / method (per-round
-  ratio for torch methods; ratio of medians for JAX methods, timed in a separate block).
-- max abs err vs loop: against the per-example gradients of a Python loop (float32); for norm
+  gradient of the same framework (torch or JAX). `/ floor of its kind`: the same against the floor
+  of what the method computes: for per-example gradients the batch gradient plus writing their
+  B x P numbers (the `write B×P` row: fresh float32 arrays of the gradients' shapes, filled,
+  timed in the same rounds); for norms the batch gradient alone. Speed-up over loop: the same framework's loop
+  (`torch loop`, `jax loop`: a Python loop of single-example gradients, stacked) / method, per
+  round.
+- max abs err vs loop: against the per-example gradients of the torch loop (float32); for norm
   methods against the loop's per-example norms; for the floors against the loop's mean.
 - peak MiB: peak resident memory increase during one call (after a warm-up call, in a fresh
-  process; it includes the B x P result); see `benchmarks/memory.py`. `-`: not measured.
+  process, one per method for all the batch sizes of the sweep; it includes the B x P result);
+  see `benchmarks/memory.py`. `-`: not measured.
 - unsupported: the method raised on this model (reason in results.json)."""
 
 
@@ -131,6 +137,7 @@ def write(results: dict, out: Path) -> None:
         return
     matplotlib.use("Agg")
     plot_sweep(results["rows"], out / "time_vs_batch_size.png")
+    plot_memory_sweep(results["rows"], out / "memory_vs_batch_size.png")
     plot_ratios(results["rows"], out / "ratio_to_floor.png")
 
 
@@ -139,18 +146,40 @@ def ok_rows(rows: list[dict]) -> list[dict]:
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:
+    """Median time of each method against the batch size of the sweep."""
+    plot_against_batch_size(rows, "median_ms", "median time per call (ms)", "", path, "log")
+
+
+def plot_memory_sweep(rows: list[dict], path: Path) -> None:
+    """Peak memory of each method against the batch size of the sweep (if it was measured):
+    linear below 1 MiB, where the floors sit (a few pages, or none), logarithmic above."""
+    ylabel = "peak memory increase during a call (MiB)"
+    plot_against_batch_size(rows, "peak_mib", ylabel, ": peak memory", path, "symlog")
+
+
+def plot_against_batch_size(
+    rows: list[dict], field: str, ylabel: str, title: str, path: Path, yscale: str
+) -> None:
     import matplotlib.pyplot as plt
 
-    sweep = [r for r in ok_rows(rows) if r["workload"] == "sweep"]
+    sweep = [r for r in ok_rows(rows) if r["workload"] == "sweep" and r.get(field) is not None]
     if not sweep:
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for method in dict.fromkeys(r["method"] for r in sweep):
-        points = sorted((r["batch_size"], r["median_ms"]) for r in sweep if r["method"] == method)
-        ax.plot(*zip(*points), marker="o", label=method)
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median time per call (ms)")
-    ax.set_title("Batch-size sweep (MLP 256-128-10)")
-    ax.legend(fontsize=7)
+        these = [r for r in sweep if r["method"] == method]
+        points = sorted((r["batch_size"], r[field]) for r in these)
+        line = "-" if these[0]["framework"] == "torch" else "--"  # 10 colours, more methods
+        ax.plot(*zip(*points), line, marker="o", label=method)
+    ax.set_xscale("log")
+    if yscale == "symlog":
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_yscale(yscale)
+    ax.set(xlabel="batch size", ylabel=ylabel)
+    ax.set_title(f"Batch-size sweep (MLP 256-128-10){title}")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -159,7 +188,9 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
 def plot_ratios(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fixed = [r for r in ok_rows(rows) if r["workload"] != "sweep" and r["kind"] != "batch"]
+    fixed = [
+        r for r in ok_rows(rows) if r["workload"] != "sweep" and r["kind"] in ("grads", "norms")
+    ]
     workloads = list(dict.fromkeys(r["workload"] for r in fixed))
     if not workloads:
         return

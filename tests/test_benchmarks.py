@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,9 @@ def quick_results(tmp_path_factory) -> tuple[dict, Path]:
 
 def test_quick_run_writes_results(quick_results) -> None:
     results, out = quick_results
-    assert (out / "results.md").read_text().startswith("# pergrad benchmarks")
+    text = (out / "results.md").read_text()
+    assert text.startswith("# pergrad benchmarks")
+    assert "| / floor | / floor of its kind | speed-up over loop |" in text
     assert (out / "ratio_to_floor.png").exists()
     assert (out / "time_vs_batch_size.png").exists()
     assert results["machine"]["cores"] and results["run"]["mode"] == "quick"
@@ -43,10 +46,59 @@ def test_every_available_method_has_rows_that_agree_with_the_loop(quick_results)
         if method.name not in skipped:
             assert any(r["method"] == method.name for r in ok_rows), method.name
     for row in ok_rows:
-        assert math.isfinite(row["max_abs_err"]) and row["max_abs_err"] < 1e-3, row
+        if row["kind"] != "write":  # the write of B x P numbers computes nothing to check
+            assert math.isfinite(row["max_abs_err"]) and row["max_abs_err"] < 1e-3, row
         assert row["median_ms"] > 0
     workloads = {r["workload"] for r in results["rows"]}
     assert workloads == {"cnn", "mlp", "linreg", "transformer", "sweep"}
+
+
+def test_ratios_to_the_floors_and_to_each_frameworks_loop(quick_results) -> None:
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.methods import LOOPS
+
+    results, _ = quick_results
+    rows = [r for r in results["rows"] if r["status"] == "ok"]
+    for row in rows:
+        times = row["times_ms"]
+        same_call = [
+            r
+            for r in rows
+            if (r["workload"], r["batch_size"]) == (row["workload"], row["batch_size"])
+        ]
+        by_method = {r["method"]: r["times_ms"] for r in same_call}
+        floor = by_method[f"{row['framework']} batch grad (floor)"]
+        write = by_method[f"{row['framework']} write B×P"]
+        loop = by_method[LOOPS[row["framework"]]]
+        if row["kind"] == "grads":
+            expected = statistics.median(t / (b + w) for t, b, w in zip(times, floor, write))
+        elif row["kind"] == "norms":
+            expected = statistics.median(t / b for t, b in zip(times, floor))
+        else:
+            expected = None
+        assert row["ratio_to_kind_floor"] == pytest.approx(expected), row
+        if row["kind"] == "write":
+            assert row["speedup_over_loop"] is None, row
+        else:  # against the loop of its own framework
+            speedup = statistics.median(lp / t for lp, t in zip(loop, times))
+            assert row["speedup_over_loop"] == pytest.approx(speedup), row
+
+
+def test_memory_plot_of_the_sweep(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.report import plot_memory_sweep
+
+    rows = [
+        {"workload": "sweep", "status": "ok", "method": m, "framework": fw, "batch_size": b}
+        | {"peak_mib": mib}
+        for (m, fw), per_size in {("a", "torch"): [0.0, 0.5, 4.0], ("b", "jax"): [1, 8, 64]}.items()
+        for b, mib in zip((8, 32, 128), per_size)
+    ]
+    plot_memory_sweep(rows, tmp_path / "memory_vs_batch_size.png")
+    assert (tmp_path / "memory_vs_batch_size.png").stat().st_size > 0
+    plot_memory_sweep([r | {"peak_mib": None} for r in rows], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()  # nothing measured: no plot
 
 
 def test_memory_probe_runs_in_a_subprocess() -> None:
@@ -55,6 +107,17 @@ def test_memory_probe_runs_in_a_subprocess() -> None:
 
     result = measure("linreg", "torch loop", 32)
     assert result["peak_mib"] is not None and result["peak_mib"] >= 0, result
+
+
+def test_memory_probe_of_several_batch_sizes_in_one_subprocess() -> None:
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.memory import measure_sizes
+
+    by_size = measure_sizes("sweep", "torch write B×P", (8, 512))
+    assert set(by_size) == {8, 512}
+    assert all(r["peak_mib"] is not None for r in by_size.values()), by_size
+    # 512 examples of an MLP with 34k parameters: 512 x 34k float32 numbers, 66 MiB
+    assert by_size[512]["peak_mib"] > 50 > by_size[8]["peak_mib"], by_size
 
 
 def test_strategies_benchmark_quick_run(tmp_path) -> None:
