@@ -246,7 +246,7 @@ LOOKUPS = {
 }
 # the ids these lookups define: out of range only where the mode says what happens
 ID_RANGE = {
-    "index": (-VOCAB, VOCAB),
+    "index": (-VOCAB, VOCAB + 3),  # an id past the end reads a clamped row but gets no gradient
     "take": (-VOCAB, VOCAB),
     "take_clip": (-3, VOCAB + 3),
     "take_fill_zero": (-3, VOCAB + 3),
@@ -291,6 +291,70 @@ def test_a_tied_embedding_is_formed_per_example():
     choice = choose_strategy(loss, params, ids)
     assert choice.unsupported == {"['table']": "used by 2 contractions (a shared weight)"}
     check_against_materialized(loss, (params, ids), strategy="auto")
+
+
+# --- dtypes ----------------------------------------------------------------------------------
+# (found by review: each of these gave a silently wrong norm before the fix)
+
+
+def test_float16_compute_with_float32_weights_does_not_overflow():
+    """Mixed precision: |a|^2 of a wide float16 activation is past float16's 65504, although
+    every gradient entry is small; the norms are computed in float32."""
+    k = keys(40, 2)
+    x = jnp.asarray(4.0 + k[0].standard_normal((3, 4096)), jnp.float16)
+    params = {"w": jnp.asarray(k[1].standard_normal((4096, 2)) * 1e-3, jnp.float32)}
+
+    def loss(p, x):
+        return jnp.sum(x @ p["w"].astype(jnp.float16)).astype(jnp.float32) * 1e-3
+
+    grads = pergrad.per_example_grads(loss)(params, x)
+    norms = per_example_norms_of(loss, params, x)
+    assert choose_strategy(loss, params, x).layers == {"['w']": "dense"}
+    assert np.isfinite(np.asarray(norms)).all()
+    assert_close(norms, pergrad.norms.per_example_norms(grads), rtol=1e-2)  # float16 rounding
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (3, 2, 64)], ids=["vector", "sequence_gram"])
+def test_integer_layer_inputs(shape):
+    """uint8 inputs (quantised data) contracted with a float weight: no integer overflow."""
+    x = jnp.asarray(np.random.default_rng(41).integers(0, 255, shape), jnp.uint8)
+    params = {"w": jnp.asarray(np.random.default_rng(42).standard_normal((64, 64)) * 0.01)}
+    contract = (((len(shape) - 2,), (0,)), ((), ()))
+
+    def loss(p, x):
+        h = jax.lax.dot_general(x, p["w"], contract, preferred_element_type=jnp.float32)
+        return jnp.sum(jnp.tanh(h))
+
+    assert choose_strategy(loss, params, x).layers == {"['w']": "dense"}
+    check_against_materialized(loss, (params, x))
+
+
+def test_byte_ids_into_a_table_longer_than_256_rows():
+    rng = np.random.default_rng(43)
+    params = {"table": jnp.asarray(rng.standard_normal((259, 4)), jnp.float32)}
+    ids = jnp.asarray(rng.integers(0, 256, (4, 9)), jnp.uint8)
+
+    def loss(p, ids):
+        return jnp.sum(jnp.sin(jnp.take(p["table"], ids, axis=0)))
+
+    assert choose_strategy(loss, params, ids).layers == {"['table']": "embedding"}
+    check_against_materialized(loss, (params, ids))
+
+
+def test_a_weight_cast_through_an_integer_has_no_gradient():
+    """Fake quantisation ``w.astype(int8)``: jax.grad through it is zero, so the weight is not
+    a ghost parameter (its formed per-example gradients are zero)."""
+    params, x, y = two_layer_problem()
+    params = {"w1": params["w1"] * 3, "w2": params["w2"]}
+
+    def loss(p, x, y):
+        quantised = p["w1"].astype(jnp.int8).astype(jnp.float32)
+        return jnp.sum((jnp.tanh(x @ quantised) @ p["w2"] - y) ** 2)
+
+    choice = choose_strategy(loss, params, x, y)
+    assert "['w1']" not in choice.layers and choice.layers["['w2']"] == "dense"
+    norms = check_against_materialized(loss, (params, x, y), strategy="auto")
+    assert float(np.abs(np.asarray(norms)).max()) > 0
 
 
 # --- the formulas -----------------------------------------------------------------------------

@@ -144,6 +144,10 @@ def clipped_sum_of(
       mask: optional ``(B,)`` booleans or 0/1, False for padding examples, which then
         contribute nothing.
 
+    Differentiating through the result (meta-learning, a hypergradient) treats the clip
+    factors as constants, as DP-SGD does; ``pergrad.dp.clipped_sum`` of materialised
+    gradients differentiates through them too.
+
     Returns:
       A :class:`pergrad.dp.ClippedSum`: ``sum`` like the differentiated argument (no batch
       axis), ``norms`` ``(B,)``, ``clip_fraction``, ``sensitivity`` (``max_norm``, or

@@ -142,7 +142,7 @@ def _find_uses(
             inner = eqn.params["jaxpr"].jaxpr
             inner_tags = {inner.invars[n]: tag for n, tag in tagged}
             _find_uses(inner, inner_tags, (*path, index), uses, other)
-        elif name in _LAYOUT_OPS and len(eqn.invars) == 1:
+        elif name in _LAYOUT_OPS and len(eqn.invars) == 1 and _keeps_values(eqn):
             leaf, chain = tagged[0][1]
             tags[eqn.outvars[0]] = (leaf, (*chain, eqn))
         elif _is_param_operand(eqn, tagged):
@@ -154,6 +154,20 @@ def _find_uses(
     for var in jaxpr.outvars:
         if _is_var(var) and var in tags:
             other.setdefault(tags[var][0], "returned by a jitted function it is passed to")
+
+
+def _keeps_values(eqn: Any) -> bool:
+    """A layout op passes gradients through unchanged, except a cast to or from a non-float
+    dtype (``w.astype(jnp.int8)``), whose gradient is zero."""
+    if eqn.primitive.name != "convert_element_type":
+        return True
+    return all(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in (eqn.invars[0], eqn.outvars[0]))
+
+
+def _wide(x: Any) -> Any:
+    """``x`` in at least float32 (integers and float16/bfloat16 included): squares and Gram
+    matrices of activations overflow float16 and wrap in integer dtypes."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _is_param_operand(eqn: Any, tagged: list[tuple[int, Any]]) -> bool:
@@ -316,19 +330,21 @@ def _contract(site: Site, layer_input: Any, operand: Any) -> Any:
 
 def _site_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     """``(B,)`` squared norms of one ghost leaf's per-example gradients."""
+    # computed in at least float32, returned in the parameter's dtype, as the reference's
+    # (g**2).sum() of the parameter-dtype per-example gradients
     if site.kind == "embedding":
-        return _embedding_squared_norms(site, inputs, cotangents)
+        return _embedding_squared_norms(site, inputs, cotangents).astype(param.dtype)
     factors = _dense_factors(site, inputs, cotangents)
     if factors is not None:
-        return _dense_squared_norms(*factors)
+        return _dense_squared_norms(*(_wide(f) for f in factors)).astype(param.dtype)
     operand = _apply_chain(site, param)
 
     def gradient_of_one(layer_input: Any, cotangent: Any) -> Any:
         _, transpose = jax.vjp(lambda w: _contract(site, layer_input, w), operand)
         (g,) = transpose(cotangent)
-        return (g**2).sum()
+        return (_wide(g) ** 2).sum()
 
-    return jax.vmap(gradient_of_one)(inputs, cotangents)
+    return jax.vmap(gradient_of_one)(inputs, cotangents).astype(param.dtype)
 
 
 def _site_weighted_sum(site: Site, param: Any, inputs: Any, cotangents: Any, weights: Any) -> Any:
@@ -393,9 +409,17 @@ def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
     batch = ids.shape[0]
     rows = site.eqn.invars[0].aval.shape[0]
     ids = ids.reshape(batch, -1)
-    d = cotangents.reshape(batch, ids.shape[1], -1)
-    if "FILL_OR_DROP" in str(site.eqn.params["mode"]):
-        valid = (ids >= 0) & (ids < rows)  # out-of-range lookups read the fill value, no row
+    if jnp.dtype(ids.dtype).itemsize < 4:  # rows - 1 may not fit in int8 / uint8 / int16
+        ids = ids.astype(jnp.int32)
+    d = _wide(cotangents.reshape(batch, ids.shape[1], -1))
+    mode = site.eqn.params["mode"]
+    if mode in (
+        jax.lax.GatherScatterMode.FILL_OR_DROP,
+        jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    ):
+        # FILL_OR_DROP reads the fill value; PROMISE_IN_BOUNDS reads a clamped row, but the
+        # gradient's scatter-add (same mode) drops out-of-range updates: no row either way
+        valid = (ids >= 0) & (ids < rows)
         d = d * valid[:, :, None].astype(d.dtype)
     else:
         ids = jnp.clip(ids, 0, rows - 1)
