@@ -244,6 +244,8 @@ LOOKUPS = {
     "take_clip": lambda table, ids: jnp.take(table, ids, axis=0, mode="clip"),
     "take_fill_zero": lambda table, ids: jnp.take(table, ids, axis=0, mode="fill", fill_value=0),
     "two_dimensional_ids": lambda table, ids: table[ids.reshape(2, 3)].reshape(LENGTH, DIM),
+    # equinox's Embedding under jax.vmap: a clamped dynamic slice per id
+    "vmapped_row": lambda table, ids: jax.vmap(lambda i: table[i])(ids),
 }
 # the ids these lookups define: out of range only where the mode says what happens
 ID_RANGE = {
@@ -252,6 +254,7 @@ ID_RANGE = {
     "take_clip": (-3, VOCAB + 3),
     "take_fill_zero": (-3, VOCAB + 3),
     "two_dimensional_ids": (0, VOCAB),
+    "vmapped_row": (-3, VOCAB + 3),
 }
 
 

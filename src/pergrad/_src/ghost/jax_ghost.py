@@ -182,18 +182,27 @@ def _is_param_operand(eqn: Any, tagged: list[tuple[int, Any]]) -> bool:
 
 
 def _is_row_lookup(eqn: Any) -> bool:
-    """``table[ids]`` / ``jnp.take(table, ids, axis=0)``: whole rows of axis 0, one per id."""
+    """Whole rows of axis 0, one per id: ``table[ids]`` / ``jnp.take(table, ids, axis=0)``, or
+    ``jax.vmap`` of ``table[id]`` (equinox's ``Embedding``), which clamps a start index for
+    every axis of the table, all but the first covering the whole axis."""
     numbers = eqn.params["dimension_numbers"]
     table_shape = eqn.invars[0].aval.shape
     out_rank = len(eqn.outvars[0].aval.shape)
-    row_rank = len(table_shape) - 1
+    starts = tuple(numbers.start_index_map)
+    collapsed = tuple(numbers.collapsed_slice_dims)
+    kept = len(table_shape) - len(collapsed)
+    simple = starts == (0,) and collapsed == (0,)
+    clamped = (
+        set(starts) == set(range(len(table_shape)))
+        and collapsed in ((), (0,))
+        and eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP
+    )
     return (
-        tuple(numbers.collapsed_slice_dims) == (0,)
-        and tuple(numbers.start_index_map) == (0,)
+        (simple or clamped)
         and not tuple(numbers.operand_batching_dims)
-        and tuple(numbers.offset_dims) == tuple(range(out_rank - row_rank, out_rank))
+        and tuple(numbers.offset_dims) == tuple(range(out_rank - kept, out_rank))
         and tuple(eqn.params["slice_sizes"]) == (1, *table_shape[1:])
-        and eqn.invars[1].aval.shape[-1:] == (1,)
+        and eqn.invars[1].aval.shape[-1:] == (len(starts),)
     )
 
 
@@ -408,7 +417,8 @@ def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
     ``s`` add up when the ids are equal, so ``|g|^2 = sum_{t,s} [id_t = id_s] dz_t . dz_s``."""
     batch = ids.shape[0]
     rows = site.eqn.invars[0].aval.shape[0]
-    ids = ids.reshape(batch, -1)
+    row_column = tuple(site.eqn.params["dimension_numbers"].start_index_map).index(0)
+    ids = ids[..., row_column].reshape(batch, -1)
     if jnp.dtype(ids.dtype).itemsize < 4:  # rows - 1 may not fit in int8 / uint8 / int16
         ids = ids.astype(jnp.int32)
     d = _wide(cotangents.reshape(batch, ids.shape[1], -1))
