@@ -435,3 +435,23 @@ def test_a_mapping_pytrees_cannot_split_is_refused():
         pergrad.per_example_grads(loss)(loss.params(), UserDict(x=X), Y)
     grads = pergrad.per_example_grads(loss)(loss.params(), {"x": X}, Y)
     assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [{"x": X}], [Y]))
+
+
+def test_hooks_on_3d_and_transposed_convolutions():
+    """The layer rules of Conv3d and ConvTranspose*d form per-example gradients for the hooks
+    strategy too (checked against a backward() loop)."""
+    torch.manual_seed(7)
+    model = nn.Sequential(
+        nn.Conv3d(2, 3, 2, stride=(1, 2, 1)),
+        nn.Tanh(),
+        nn.Flatten(1, 2),  # (B, 3 * 2, 1, 2): the depth folded into the channels
+        nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 2 * 4, 3),
+    )
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    X, Y = torch.randn(B, 2, 3, 3, 3), torch.randint(0, 3, (B,))
+    fn = pergrad.per_example_grads(loss, strategy="hooks")
+    grads = fn(loss.params(), X, Y)
+    assert fn.last_strategy == "hooks"
+    assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [X], [Y]))

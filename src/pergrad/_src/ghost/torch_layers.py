@@ -9,7 +9,8 @@ calls, for the ``"hooks"`` strategy of :func:`pergrad.per_example_grads`. A laye
 call's positions as more tokens of one sequence: the per-example gradient is the sum over calls.
 
 Families covered: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
-``nn.Conv2d`` (stride, padding incl. ``"same"`` and non-zero padding modes, dilation, groups),
+``nn.Conv2d`` / ``nn.Conv3d`` and the transposed ``nn.ConvTranspose1d/2d/3d`` (stride, padding
+incl. ``"same"`` and non-zero padding modes, output padding, dilation, groups),
 ``nn.Embedding``, Hugging Face's ``Conv1D`` (GPT-2's linear layers), ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm*d`` and
 ``nn.BatchNorm*d`` in eval mode.
 """
@@ -163,9 +164,14 @@ def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[st
     return result
 
 
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
 def _conv_problem(layer: nn.Module) -> str | None:
     if isinstance(layer.padding, str) and layer.padding not in ("same", "valid"):
         return f"padding={layer.padding!r} is not understood"
+    if isinstance(layer, _TRANSPOSED) and layer.padding_mode != "zeros":
+        return f"padding_mode={layer.padding_mode!r} is not understood for a transposed conv"
     return None
 
 
@@ -214,44 +220,42 @@ def _conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[
     return patches, output_grads
 
 
-def _conv_weight_grad(layer: nn.Conv1d | nn.Conv2d) -> Any:
-    return (
-        torch.nn.grad.conv1d_weight
-        if isinstance(layer, nn.Conv1d)
-        else (torch.nn.grad.conv2d_weight)
+_WEIGHT_GRADS = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
+
+
+def _conv_weight_grad(layer: Any, x: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
+    """The layer's weight gradient for input ``x`` and output gradient ``output_grad`` (batch
+    first). A transposed convolution is the adjoint of a convolution from its output to its
+    input with the same weight, so its weight gradient swaps the two."""
+    weight_grad = _WEIGHT_GRADS[len(layer.kernel_size)]
+    if isinstance(layer, _TRANSPOSED):
+        x, output_grad, padding = output_grad, x, layer.padding
+    else:
+        x, padding = _padded(layer, x)
+    return weight_grad(
+        x, layer.weight.shape, output_grad, layer.stride, padding, layer.dilation, layer.groups
     )
 
 
-def _conv_weight_per_example(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> torch.Tensor:
+def _conv_weight_per_example(layer: Any, calls: list[LayerCall]) -> torch.Tensor:
     """``(B, *weight.shape)``: the convolution's own weight gradient for each example (vmapped,
     which torch runs as one convolution with the examples as groups; faster than unfolding)."""
-    weight_grad = _conv_weight_grad(layer)
-    total = 0
-    for call in calls:
-        x, padding = _padded(layer, call.inputs[0])
 
-        def one(x_row: torch.Tensor, grad_row: torch.Tensor, padding: Any = padding) -> Any:
-            return weight_grad(
-                x_row[None],
-                layer.weight.shape,
-                grad_row[None],
-                layer.stride,
-                padding,
-                layer.dilation,
-                layer.groups,
-            )
+    def one(x_row: torch.Tensor, grad_row: torch.Tensor) -> torch.Tensor:
+        return _conv_weight_grad(layer, x_row[None], grad_row[None])
 
-        total = total + torch.func.vmap(one)(x, call.output_grad)
-    return total
+    return sum(torch.func.vmap(one)(c.inputs[0], c.output_grad) for c in calls)
 
 
 def _conv_bias_per_example(calls: list[LayerCall]) -> torch.Tensor:
     return sum(c.output_grad.reshape(*c.output_grad.shape[:2], -1).sum(-1) for c in calls)
 
 
-def conv_per_example(
-    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
+def conv_per_example(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     result = {"weight": _conv_weight_per_example(layer, calls)}
     if layer.bias is not None:
         result["bias"] = _conv_bias_per_example(calls)
@@ -259,45 +263,43 @@ def conv_per_example(
 
 
 def conv_weighted_sum(
-    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall], weights: torch.Tensor
+    layer: Any, calls: list[LayerCall], weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The convolution's own weight gradient, with each example's output gradient scaled."""
-    weight_grad = (
-        torch.nn.grad.conv1d_weight
-        if isinstance(layer, nn.Conv1d)
-        else (torch.nn.grad.conv2d_weight)
-    )
     weight = torch.zeros_like(layer.weight)
     bias = None if layer.bias is None else torch.zeros_like(layer.bias)
     for call in calls:
         scale = weights.to(call.output_grad.dtype).reshape(-1, *[1] * (call.output_grad.dim() - 1))
         scaled = call.output_grad * scale
-        x, padding = _padded(layer, call.inputs[0])
-        weight += weight_grad(
-            x, layer.weight.shape, scaled, layer.stride, padding, layer.dilation, layer.groups
-        )
+        weight += _conv_weight_grad(layer, call.inputs[0], scaled)
         if bias is not None:
             bias += scaled.sum([d for d in range(scaled.dim()) if d != 1])
     return {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
 
 
+def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
+    """Gram matrices of unfolded patches (Conv1d / Conv2d only) when the output has few
+    positions, ``T^2 < p q``; else the per-example weight gradients (``B x weight``)."""
+    if not isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        return False
+    positions = sum(c.output_grad[0, 0].numel() for c in calls)
+    width_in = layer.weight[0].numel()
+    width_out = layer.out_channels // layer.groups
+    return positions * positions < width_in * width_out
+
+
 @register(
     nn.Conv1d,
     nn.Conv2d,
+    nn.Conv3d,
+    *_TRANSPOSED,
     name="conv",
     per_example=conv_per_example,
     problem=_conv_problem,
     weighted_sum=conv_weighted_sum,
 )
-def conv_squared_norms(
-    layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]
-) -> dict[str, torch.Tensor]:
-    """Gram matrices of the unfolded patches where the output has few positions (``T^2 < p q``),
-    else the per-example weight gradients themselves (as small as ``B x weight``)."""
-    positions = sum(c.output_grad[0, 0].numel() for c in calls)
-    width_in = layer.weight[0].numel()
-    width_out = layer.out_channels // layer.groups
-    if positions * positions < width_in * width_out:
+def conv_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    if _uses_gram(layer, calls):
         patches, output_grads = _conv_tokens(layer, calls)
         result = {"weight": outer_product_squared_norms(patches, output_grads)}
     else:
