@@ -336,31 +336,93 @@ def test_other_strategies_match_on_torch_models(strategy):
 
 
 class Attention(nn.Module):
+    """``nn.MultiheadAttention`` (no ghost rule: its projections are packed and used inside
+    ``F.multi_head_attention_forward``) between two Linear layers, with a padding mask (a
+    keyword argument batched by example) and a causal mask (shared, (T, T))."""
+
     def __init__(self):
         super().__init__()
+        self.embed = nn.Linear(5, 6)
         self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
         self.fc = nn.Linear(6, 3)
 
-    def forward(self, x):
-        return self.fc(self.attn(x, x, x, need_weights=False)[0].mean(1))
+    def forward(self, x, padding):
+        h = self.embed(x)
+        causal = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).triu(diagonal=1)
+        out = self.attn(h, h, h, key_padding_mask=padding, attn_mask=causal, need_weights=False)
+        return self.fc(out[0].mean(1))
 
 
-def test_unsupported_layer_makes_auto_choose_chunked_and_ghost_refuse():
+def attention_problem(batch: int = 5) -> tuple[Any, tuple[Any, ...]]:
     torch.manual_seed(0)
-    model = Attention()
-    loss = pergrad.module_loss(model, F.cross_entropy)
-    args = (loss.params(), torch.randn(5, 4, 6), torch.randint(0, 3, (5,)))
+    loss = pergrad.module_loss(Attention(), F.cross_entropy, num_inputs=2)
+    padding = torch.zeros(batch, 4, dtype=torch.bool)
+    padding[1, 3:] = padding[2, 2:] = True  # examples 1 and 2 padded
+    return loss, (loss.params(), torch.randn(batch, 4, 5), padding, torch.randint(0, 3, (batch,)))
+
+
+def test_a_shared_input_the_size_of_the_batch_falls_back_under_auto():
+    """With B = T = 4 the (T, T) causal mask looks batched: running the layer alone then fails,
+    and auto says so and takes the chunked strategy (the same numbers)."""
+    loss, args = attention_problem(batch=4)
+    grads = materialized(loss, args)
+    with pytest.warns(pergrad.FallbackWarning, match="'attn'.*could not vectorise it alone"):
+        norms = per_example_norms_of(loss, *args)
+    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
+
+
+def test_a_layer_without_a_rule_runs_alone_and_the_rest_stays_ghost():
+    loss, args = attention_problem()
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "ghost", choice
+    assert choice.layers == {"embed": "linear", "attn": "generic", "fc": "linear"}
+    grads = materialized(loss, args)
+    expected_norms = pergrad.norms.per_example_norms(grads, per_layer=True)
+    bound = median_norm(grads)
+    for _ in range(2):  # the first (checked) run and a later one
+        with NoFallback():
+            per_layer = per_example_norms_of(loss, *args, per_layer=True)
+            clipped = clipped_sum_of(loss, *args, max_norm=bound)
+        for name, value in expected_norms.items():
+            assert_close(t_numpy(per_layer[name]), t_numpy(value))
+        assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, bound), t_numpy)
+
+
+def test_auto_takes_chunked_when_layers_without_rules_are_large(monkeypatch):
+    from pergrad._src.ghost import torch_generic
+
+    loss, args = attention_problem()
+    monkeypatch.setattr(torch_generic, "MAX_MATERIALIZED_NUMBERS", 10)
     choice = choose_strategy(loss, *args)
     assert choice.strategy == "chunked"
-    assert "MultiheadAttention" in choice.unsupported["attn"]
-    assert choice.layers == {"fc": "linear"}
+    assert "the layers without a ghost rule would need 840 per-example numbers" in choice.reason
+    with NoFallback():  # an explicit request still runs them alone
+        norms = per_example_norms_of(loss, *args, strategy="ghost")
+    expected = pergrad.norms.per_example_norms(materialized(loss, args))
+    assert_close(t_numpy(norms), t_numpy(expected))
+
+
+def test_a_parameter_of_the_model_itself_makes_auto_choose_chunked_and_ghost_refuse():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    torch.manual_seed(0)
+    loss = pergrad.module_loss(Scaled(), F.cross_entropy)
+    args = (loss.params(), torch.randn(5, 6), torch.randint(0, 3, (5,)))
+    choice = choose_strategy(loss, *args)
+    assert choice.strategy == "chunked"
+    assert choice.unsupported == {"scale": "no ghost rule for Scaled"}
     grads = materialized(loss, args)
     with NoFallback():
         norms = per_example_norms_of(loss, *args)
-        clipped = clipped_sum_of(loss, *args, max_norm=0.3)
     assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
-    assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 0.3), t_numpy)
-    with pytest.raises(ValueError, match="'attn'.*MultiheadAttention"):
+    with pytest.raises(ValueError, match="'scale'.*no ghost rule for Scaled"):
         per_example_norms_of(loss, *args, strategy="ghost")
 
 

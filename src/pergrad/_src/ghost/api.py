@@ -323,16 +323,30 @@ def _choose(
     early = _materialize_choice(call, strategy, chunk_size)
     if early is not None:
         return early
-    if strategy == "ghost" or (strategy == "auto" and plan is not None and not unsupported):
+    generic_numbers = call.batch_size * plan.generic_size if plan is not None else 0
+    small_generic = generic_numbers <= _torch_generic_limit()
+    if strategy == "ghost" or (
+        strategy == "auto" and plan is not None and not unsupported and small_generic
+    ):
         why = (
             "requested"
             if strategy == "ghost"
             else "every differentiated parameter belongs to a layer with a ghost rule"
+            + (
+                f" (layers without one, run alone: {generic_numbers:,} per-example numbers)"
+                if generic_numbers
+                else ""
+            )
         )
         return StrategyChoice("ghost", why, None, dict(plan.layers))
     chunk = chunk_size or default_chunk_size(call)
     if strategy == "chunked":
         why = "requested"
+    elif plan is not None and not unsupported:
+        why = (
+            f"the layers without a ghost rule would need {generic_numbers:,} per-example "
+            f"numbers (more than {_torch_generic_limit():,})"
+        )
     elif plan is None:
         why = (
             f"the ghost strategy needs a PyTorch pergrad.module_loss; fn is a "
@@ -418,6 +432,12 @@ def _listing(reasons: dict[str, str]) -> str:
     items = list(reasons.items())
     text = "; ".join(f"{name}: {why}" for name, why in items[:4])
     return text + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def _torch_generic_limit() -> int:
+    from pergrad._src.ghost import torch_generic
+
+    return torch_generic.MAX_MATERIALIZED_NUMBERS
 
 
 def _ghost_plan(spec: _Spec, fn: Any, args: tuple[Any, ...]) -> Any:

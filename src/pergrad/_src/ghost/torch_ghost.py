@@ -53,10 +53,13 @@ from torch import nn
 
 from pergrad._src.api import _Call, _Spec
 from pergrad._src.errors import PergradValueError, is_pergrad_error
-from pergrad._src.ghost import GhostUnsupported, rule_for
+from pergrad._src.ghost import GhostUnsupported, rule_for, torch_generic
 from pergrad._src.ghost.strategies import Reduction, WeightsFn, weight_groups
 from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
+
+# The rule name of a layer without a rule, handled by torch_generic.py.
+GENERIC = "generic"
 
 # Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding.
 _CONSISTENCY_SLACK = 1e-3
@@ -69,10 +72,13 @@ class GhostPlan:
     Attributes:
       layers: module name -> rule name (``"linear"``, ``"conv"``, ...) for the covered layers.
       unsupported: module name (or parameter name) -> why the ghost strategy cannot handle it.
+      generic_size: how many numbers the parameters of ``"generic"`` layers hold (their
+        per-example gradients are formed: ``B x generic_size`` numbers).
     """
 
     layers: dict[str, str] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
+    generic_size: int = 0
 
 
 def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
@@ -90,6 +96,7 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
         aliases.setdefault(id(param), []).append(name)
     by_name = dict(model.named_parameters(remove_duplicate=False))
     layers, unsupported = {}, {}
+    generic_size = 0
     for name in params:
         module_name = name.rpartition(".")[0]
         if name not in by_name:
@@ -102,12 +109,17 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
         if others:
             unsupported[module_name] = f"{name!r} is shared with {others} (tied weights)"
         elif rule is None:
-            unsupported[module_name] = f"no ghost rule for {type(module).__name__}"
+            unit = torch_generic.find_unit(model, module_name)
+            if unit is None:
+                unsupported[module_name or name] = f"no ghost rule for {type(module).__name__}"
+            else:  # per-example gradients of this layer alone (torch_generic.py)
+                layers[unit] = GENERIC
+                generic_size += by_name[name].numel()
         elif problem is not None:
             unsupported[module_name] = f"{type(module).__name__}: {problem}"
         else:
             layers[module_name] = rule.name
-    return GhostPlan(layers, unsupported)
+    return GhostPlan(layers, unsupported, generic_size)
 
 
 def ghost(
@@ -126,22 +138,41 @@ def ghost(
     args = call.rebuild(diff, batched)
     params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
-    modules = {name: model.get_submodule(name) for name in layers}
+    modules = {name: model.get_submodule(name) for name, r in layers.items() if r != GENERIC}
+    units = {name: model.get_submodule(name) for name, r in layers.items() if r == GENERIC}
+    assigned = _unit_parameters(model, units, params)
     checked = frozenset(params) in loss.ghost_checked
     with torch.enable_grad():
-        with capturing(modules, batch_size) as records:
+        with (
+            capturing(modules, batch_size) as records,
+            torch_generic.capturing_units(units, batch_size) as unit_records,
+        ):
             output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
         # The first run differentiates every parameter, to check the norms against the batch
         # gradient; later ones only what reaches each layer's output, so the weight gradients
         # (a third of a training step's work) are never computed.
-        wanted = _one_parameter_per_layer(modules, params) if checked else diff
+        wanted = diff
+        if checked:
+            wanted = _one_parameter_per_layer(modules, params) + [
+                min((params[full] for full in names.values()), key=lambda p: p.numel())
+                for names in assigned.values()
+            ]
         batch_grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     squared: list[Any] = [None] * len(diff)
     for name, values in _per_layer(modules, records, params, _squared_norms_of):
         squared[position[id(params[name])]] = values
+    unit_grads = _unit_grads(units, assigned, unit_records, params, batch_size)
+    for name, grads in unit_grads.items():
+        squared[position[id(params[name])]] = (grads**2).flatten(1).sum(1)
     if not checked:
+        by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
+        for unit in units:
+            owned = {
+                full: unit_grads[full] for full in assigned[unit].values() if full in unit_grads
+            }
+            torch_generic.check_sums(unit, owned, by_name)
         _check_consistency(params, position, squared, batch_grads, batch_size)
         loss.ghost_checked.add(frozenset(params))
     _fill_zeros(params, position, squared, batch_size)
@@ -158,7 +189,52 @@ def ghost(
         for name, value in computed:
             if name in group:
                 sums[position[id(params[name])]] = value
+        for name in group & set(unit_grads):
+            grads = unit_grads[name]
+            sums[position[id(params[name])]] = torch.tensordot(
+                weights.detach().to(grads.dtype), grads, dims=1
+            )
     return Reduction(squared, sums)
+
+
+def _unit_parameters(
+    model: nn.Module, units: dict[str, nn.Module], params: dict[str, torch.Tensor]
+) -> dict[str, dict[str, str]]:
+    """unit name -> {name relative to the unit: full name} of the parameters it handles."""
+    assigned: dict[str, dict[str, str]] = {unit: {} for unit in units}
+    for name in params:
+        owner = name.rpartition(".")[0]
+        if rule_for(model.get_submodule(owner)) is not None:
+            continue
+        unit = torch_generic.find_unit(model, owner)
+        if unit in assigned:
+            assigned[unit][name[len(unit) + 1 :]] = name
+    return assigned
+
+
+def _unit_grads(
+    units: dict[str, nn.Module],
+    assigned: dict[str, dict[str, str]],
+    unit_records: dict[str, list[Any]],
+    params: dict[str, torch.Tensor],
+    batch_size: int,
+) -> dict[str, torch.Tensor]:
+    """full name -> ``(B, *shape)`` per-example gradients of the generic units' parameters."""
+    result = {}
+    for unit, module in units.items():
+        names = assigned[unit]
+        unit_params = {rel: params[full].detach() for rel, full in names.items()}
+        try:
+            grads = torch_generic.per_example(module, unit_params, unit_records[unit], batch_size)
+        except Exception as err:
+            if is_pergrad_error(err):
+                raise
+            raise GhostUnsupported(
+                f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
+                f"could not vectorise it alone ({type(err).__name__}: {err})"
+            ) from err
+        result.update({names[rel]: g.detach() for rel, g in grads.items()})
+    return result
 
 
 def _one_parameter_per_layer(

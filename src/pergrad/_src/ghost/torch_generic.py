@@ -1,0 +1,152 @@
+"""Layers without a ghost rule, inside a model whose other layers have one.
+
+Rather than giving up the ghost strategy for the whole model (an ``nn.MultiheadAttention`` in a
+transformer, a custom block owning a parameter), such a layer is a *generic unit*: the forward
+hook keeps its inputs (keyword arguments too) and the gradient at its output, and the per-example
+gradients of the parameters it owns come from ``torch.func.vmap`` of the layer ALONE over the
+examples (``grad`` of ``<layer(x_i), dz_i>``). Only those parameters are materialised
+(``B x`` their size); the standard layers around it stay ghost.
+
+A unit is the outermost module around the parameter whose subtree has no layer rule, below the
+model itself (a parameter the model owns directly would make the whole model the unit: that is
+the chunked strategy, which ``"auto"`` then takes). An input or keyword argument is taken as
+batched when it is a tensor whose first axis has the batch size; the first run of each
+``module_loss`` checks the units' per-example gradients against the batch gradient (their sum
+must equal it), so a shared input of that size cannot silently mislead it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pergrad._src.ghost import GhostUnsupported, rule_for
+
+# "auto" takes the ghost strategy only if the generic layers' per-example gradients stay under
+# this many numbers (B x their size; 128 MB in float32), as for the JAX ghost strategy.
+MAX_MATERIALIZED_NUMBERS = 2**25
+
+# Relative tolerance of the first run's check: sum_i g_i == batch gradient.
+_SUM_RTOL = 1e-3
+
+
+def find_unit(model: nn.Module, owner: str) -> str | None:
+    """The generic unit of a parameter owned by module ``owner`` (which has no rule): the
+    outermost ancestor, below the model, whose subtree holds no module with a layer rule."""
+    if owner == "" or _has_rule(model.get_submodule(owner)):
+        return None
+    unit = owner
+    while "." in unit:
+        parent = unit.rpartition(".")[0]
+        if _has_rule(model.get_submodule(parent)):
+            break
+        unit = parent
+    return unit
+
+
+def _has_rule(module: nn.Module) -> bool:
+    return any(rule_for(m) is not None for m in module.modules())
+
+
+@dataclass
+class UnitCall:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output_grad: torch.Tensor | None = None
+
+
+@contextmanager
+def capturing_units(
+    units: dict[str, nn.Module], batch_size: int
+) -> Iterator[dict[str, list[UnitCall]]]:
+    """Forward hooks that keep each unit call's arguments and its output's gradient."""
+    records: dict[str, list[UnitCall]] = {name: [] for name in units}
+
+    def hook(name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        first = _first_tensor(output)
+        if first is None or first.dim() == 0 or first.shape[0] != batch_size:
+            raise GhostUnsupported(
+                f"layer {name!r} ({type(module).__name__}) did not return the batch of "
+                f"{batch_size} on axis 0"
+            )
+        record = UnitCall(args, dict(kwargs))
+        records[name].append(record)
+        if first.requires_grad:
+            first.register_hook(lambda grad: setattr(record, "output_grad", grad))
+
+    handles = [
+        module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
+        for name, module in units.items()
+    ]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The layer's output, or the first element of a tuple output (``nn.MultiheadAttention``
+    returns ``(output, weights)``)."""
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output if isinstance(output, torch.Tensor) else None
+
+
+def per_example(
+    unit: nn.Module,
+    params: dict[str, torch.Tensor],
+    calls: list[UnitCall],
+    batch_size: int,
+) -> dict[str, torch.Tensor]:
+    """``{relative name: (B, *shape)}``: per-example gradients of ``params`` (named relative to
+    ``unit``), summed over the unit's calls."""
+    total: dict[str, torch.Tensor] = {}
+    for call in calls:
+        if call.output_grad is None:
+            continue
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        dims = tuple(0 if _batched(x, batch_size) else None for x in leaves)
+
+        def inner(
+            p: dict, output_grad: torch.Tensor, *rows: Any, spec: Any = spec, dims: tuple = dims
+        ) -> Any:
+            rows = [x.unsqueeze(0) if d == 0 else x for x, d in zip(rows, dims)]
+            args, kwargs = pytree.tree_unflatten(rows, spec)
+            out = _first_tensor(torch.func.functional_call(unit, p, args, kwargs))
+            return (out * output_grad.unsqueeze(0)).sum()
+
+        grads = torch.func.vmap(torch.func.grad(inner), in_dims=(None, 0, *dims))(
+            params, call.output_grad, *leaves
+        )
+        for name, g in grads.items():
+            total[name] = total[name] + g if name in total else g
+    return total
+
+
+def _batched(x: Any, batch_size: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size
+
+
+def check_sums(
+    unit_name: str, per_example_grads: dict[str, torch.Tensor], batch_grads: dict[str, Any]
+) -> None:
+    """Raise :class:`GhostUnsupported` unless the per-example gradients add up to the batch
+    gradient (first run only): a shared input taken for a batched one would break it."""
+    for name, grads in per_example_grads.items():
+        expected = batch_grads.get(name)
+        if expected is None:
+            continue
+        error = torch.linalg.vector_norm(grads.sum(0) - expected)
+        if error > _SUM_RTOL * torch.linalg.vector_norm(expected) + 1e-12:
+            raise GhostUnsupported(
+                f"the per-example gradients of layer {unit_name!r} (run alone, without a ghost "
+                f"rule) do not add up to the batch gradient of {name!r}"
+            )
