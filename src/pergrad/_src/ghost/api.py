@@ -42,7 +42,8 @@ class StrategyChoice:
         parameters: ``chunk_size x P`` stays under 2**25 numbers); what was passed for
         ``"materialize"``; None for ``"ghost"``.
       layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
-        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter. For a
+        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter;
+        ``"generic"`` for a layer without a rule, run alone (``torch_generic.py``). For a
         JAX loss, parameter path -> ``"dense"`` or ``"conv"``, the contraction it enters.
       unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
         parameter path -> why its per-example gradients are formed (the ghost strategy still
