@@ -881,3 +881,36 @@ def test_jax_under_jit_with_a_mask_and_tuple_argnums():
     )
     assert isinstance(norms, tuple)
     jax.tree_util.tree_map(assert_close, norms, expected_norms)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"noise_multiplier": -1.0}, "private_grad_of: noise_multiplier must be a number >= 0"),
+        ({"expected_batch_size": 0}, "private_grad_of: expected_batch_size must be a positive"),
+        ({"max_norm": -2.0}, "clipped_sum_of: max_norm must be a positive number"),
+    ],
+)
+def test_private_grad_of_bad_input(kwargs, match):
+    loss, args = make(GHOST_ZOO["mlp"])
+    settings = {"max_norm": 1.0, "noise_multiplier": 1.0, "rng": torch.Generator(), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        pergrad.dp.private_grad_of(loss, *args, **settings)
+
+
+def test_private_grad_of_equals_private_mean_of_materialized_grads():
+    loss, args = make(GHOST_ZOO["small_cnn"])
+    grad, stats = pergrad.dp.private_grad_of(
+        loss,
+        *args,
+        max_norm=0.5,
+        noise_multiplier=0.0,
+        rng=torch.Generator(),
+        expected_batch_size=8.0,
+    )
+    expected, _ = pergrad.dp.private_mean(
+        materialized(loss, args), 0.5, 0.0, torch.Generator(), 8.0
+    )
+    for name in expected:
+        assert_close(t_numpy(grad[name]), t_numpy(expected[name]))
+    assert float(stats.count) == BATCH
