@@ -18,6 +18,7 @@ from pergrad._src.api import _Call, _prepare, _rebuild_grads, _Spec, per_example
 from pergrad._src.clipping import (
     ClippedSum,
     _check_positive,
+    _factors,
     _groups,
     check_private_settings,
     clipped_sum,
@@ -182,7 +183,7 @@ def clipped_sum_of(
 
     def weights_from(squared: list[Any]) -> Any:
         norms = group_norms(squared)
-        weights = [_factors_and_real(n, b, mask)[0] * _real(n, mask) for n, b in zip(norms, bounds)]
+        weights = [_factors(n, b) * _real(n, mask) for n, b in zip(norms, bounds)]
         # one array object per group: the strategies compute each group's sum once
         return weights[0] if ids is None else [weights[g] for g in ids]
 
@@ -507,13 +508,6 @@ def _reduce(
 
 def _global_norms(squared: list[Any]) -> Any:
     return sum(squared[1:], squared[0]) ** 0.5
-
-
-def _factors_and_real(norms: Any, bound: float, mask: Any) -> tuple[Any, Any]:
-    """Clip factors ``min(1, bound / norm)`` (1 for a zero norm) and the real-example weights,
-    computed as :func:`pergrad.dp.clipped_sum` does."""
-    factors = bound / norms.clip(min=bound)
-    return factors, _real(factors, mask)
 
 
 def _real(like: Any, mask: Any) -> Any:
