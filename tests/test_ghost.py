@@ -736,13 +736,19 @@ def test_a_loss_fn_that_vmap_cannot_batch_is_looped_over_the_rows():
 
 
 def test_ghost_runs_the_model_once_on_the_whole_batch():
+    """Once per call; the first call of a layout also runs a few examples alone (its check)."""
+    from pergrad._src.ghost.torch_checks import LOSS_CHECKS
+
     loss, args = make(GHOST_ZOO["mlp"])
     seen = []
     handle = loss.model.register_forward_pre_hook(lambda m, inputs: seen.append(inputs[0].shape))
     try:
         clipped_sum_of(loss, *args, max_norm=1.0)
+        first, seen[:] = list(seen), []
+        clipped_sum_of(loss, *args, max_norm=1.0)
     finally:
         handle.remove()
+    assert first == [(BATCH, 8)] + [(1, 8)] * min(BATCH, LOSS_CHECKS)
     assert seen == [(BATCH, 8)]
 
 

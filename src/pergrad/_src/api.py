@@ -171,7 +171,8 @@ class _Spec:
     returns_losses: bool = True
     # What "auto" settled on after a failure ("hooks" or "loop"): later calls go there directly.
     resolved: str | None = field(default=None)
-    hooks_checked: bool = field(default=False)  # the hooks' first-call spot check is done
+    # Layouts (torch_checks.layout_key) whose first-call checks the hooks strategy has done.
+    hooks_checked: set[Any] = field(default_factory=set, repr=False, compare=False)
     last_strategy: str | None = field(default=None)
     # What _prepare decided for each structure of the arguments seen so far (see _prepare).
     layouts: dict[Any, _Layout] = field(default_factory=dict, repr=False, compare=False)

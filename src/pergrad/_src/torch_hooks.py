@@ -17,10 +17,14 @@ It is only used when it is right, and checked while it runs:
 - the per-example gradients must add up to the batch gradient of the same backward pass; a use
   of a parameter the hooks did not see (``F.linear(x, self.fc.weight)`` in a parent module)
   breaks that sum and the call is refused (``"auto"`` then loops);
-- on the first call, the first 64 examples are run alone (forward only) and must get the loss
-  they got in the batch, and example 0's gradient alone must equal row 0: a model whose output
-  for one example depends on the others (batch statistics, an ``if`` on a batch-wide value) is
-  refused the same way. (Not with ``randomness="different"``: the draws differ run to run.)
+- on the first call of each layout (the arguments' shapes, batch size included), each hooked
+  layer's output gradient must be row-local (``ghost/torch_checks.py``: a second, weighted
+  backward pass), so a layer that has the batch size on axis 0 without holding the batch there
+  (time-first with ``T == B``) is refused; and the first 64 examples are run alone (forward
+  only) and must get the loss they got in the batch, and example 0's gradient alone must equal
+  row 0: a model whose output for one example depends on the others (batch statistics, an
+  ``if`` on a batch-wide value) is refused the same way. (With ``randomness="different"`` only
+  the row check: the draws differ run to run.)
 
 Activation checkpointing with ``use_reentrant=True`` recomputes the forward pass with the model's
 own parameters and cannot be differentiated with ``torch.autograd.grad``; for it, the batch is
@@ -28,9 +32,9 @@ run through the model's own parameters with ``.backward()``, and every parameter
 (the model's and a loss module's) is put back as it was afterwards; hooks the user registered on
 parameters do fire in that backward pass.
 
-Limits: the independence check runs on the first call with two or more examples; a model that
-branches on a batch-wide value only on some later batch, or reorders the examples of a batch
-internally, is not caught after that. Pass ``strategy="loop"`` for such models.
+Limits: the checks run on the first call of each layout with two or more examples; a model that
+branches on a batch-wide value only on some later batch of the same shapes is not caught after
+that. Pass ``strategy="loop"`` for such models.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from torch import nn
 
 from pergrad._src.api import _Call, _Spec
 from pergrad._src.errors import PergradValueError
-from pergrad._src.ghost import rule_for
+from pergrad._src.ghost import rule_for, torch_checks
 from pergrad._src.ghost.torch_ghost import (
     GhostUnsupported,
     capturing,
@@ -153,19 +157,22 @@ def value_and_grads(
     """
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
     refuse_batch_mixing_layers(loss.model, spec.func_name)
+    key = torch_checks.layout_key(
+        hooks_plan.owners, [x for leaves in call.leaves[1:] for x in leaves]
+    )
+    verify = key not in spec.hooks_checked
     chunk = spec.chunk_size or batch_size
     results = []
     for start in range(0, batch_size, chunk):
         rows = tuple(v[start : start + chunk] for v in batched_values)
-        results.append(
-            _one_pass(spec, call, hooks_plan, diff_values, rows, min(chunk, batch_size - start))
-        )
+        size = min(chunk, batch_size - start)
+        results.append(_one_pass(spec, call, hooks_plan, diff_values, rows, size, verify))
     losses = torch.cat([r[0] for r in results])
     grads = [torch.cat(column) for column in zip(*(r[1] for r in results))]
-    if not spec.hooks_checked:
-        spec.hooks_checked = _check_examples_independent(
-            spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
-        )
+    if verify and _check_examples_independent(
+        spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
+    ):
+        spec.hooks_checked.add(key)
     return losses, grads
 
 
@@ -184,20 +191,23 @@ def _check_examples_independent(
     on a batch-wide value): checked on the first call by running examples alone, the losses of
     the first ``_LOSS_CHECKS`` (forward passes only) and the gradient of example 0."""
     batch_size = losses.shape[0]
-    if batch_size < 2 or spec.randomness == "different":  # random draws differ run to run
+    if batch_size < 2:
         return False  # not checked: the next call checks
+    if spec.randomness == "different":  # random draws differ run to run: rows checked only
+        return True
     problem = (
         "the model's output for an example depends on the other examples in the batch "
         "(batch statistics, or a branch on a value of the whole batch)"
     )
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. checkpointing's no-grad notes, said once already
-        for index in range(min(batch_size, _LOSS_CHECKS)):
-            alone = single(diff_values, tuple(v[index] for v in batched_values))
-            if not _close(losses[index], alone, _SPOT_TOLERANCE):
-                raise HooksUnsupported(f"{problem}: example {index}'s loss differs when alone")
+        index = torch_checks.check_losses_alone(
+            single, diff_values, batched_values, losses, _LOSS_CHECKS
+        )
+    if index is not None:
+        raise HooksUnsupported(f"{problem}: example {index}'s loss differs when alone")
     _, alone_grads = _one_pass(
-        spec, call, hooks_plan, diff_values, tuple(v[:1] for v in batched_values), 1
+        spec, call, hooks_plan, diff_values, tuple(v[:1] for v in batched_values), 1, False
     )
     errors = [torch.linalg.vector_norm(g[0] - a[0]) for g, a in zip(grads, alone_grads)]
     scales = [torch.linalg.vector_norm(a[0]) for a in alone_grads]
@@ -211,12 +221,6 @@ def _check_examples_independent(
     return True
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tolerance: dict[Any, float]) -> bool:
-    scale = torch.linalg.vector_norm(want) + torch.finfo(want.dtype).tiny
-    error = torch.linalg.vector_norm(got - want)
-    return bool(error <= tolerance.get(want.dtype, 1e-2) * scale)
-
-
 def _one_pass(
     spec: _Spec,
     call: _Call,
@@ -224,7 +228,10 @@ def _one_pass(
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
     batch_size: int,
+    verify: bool,
 ) -> tuple[Any, list[Any]]:
+    """One forward and backward pass of the batch; with ``verify``, the layout's checks of
+    ``torch_checks.check_rows`` too."""
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
     model = loss.model
     modules = {name: model.get_submodule(name) for name in hooks_plan.modules}
@@ -236,13 +243,13 @@ def _one_pass(
     try:
         try:
             losses, records, batch_grads = _forward_backward(
-                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size
+                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
             )
         except RuntimeError as err:
             if "use_reentrant=True" not in str(err):
                 raise
             losses, records, batch_grads = _forward_backward_own(
-                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size
+                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
             )
     except GhostUnsupported as err:
         raise HooksUnsupported(str(err)) from err
@@ -278,15 +285,27 @@ def _batched_pass(
     targets: list[Any],
     target_dims: list[Any],
     batch_size: int,
-    backward: Callable[[torch.Tensor], list[Any]],
+    backward: Callable[[torch.Tensor, bool], list[Any]],
+    verify: bool,
 ) -> tuple[Any, Any, list[Any]]:
-    """Forward the batch with the layers hooked, then ``backward(sum of losses)`` -> batch
-    gradients. The backward pass stays inside the hooks: reentrant checkpointing reruns the
-    forward pass there."""
+    """Forward the batch with the layers hooked, then ``backward(sum of losses, retain)`` ->
+    batch gradients; with ``verify`` (and two examples or more), a second, weighted backward
+    pass checks that each layer's output gradient is row-local. The backward passes stay
+    inside the hooks: reentrant checkpointing reruns the forward pass there."""
+    verify = verify and batch_size > 1
     with torch.enable_grad(), capturing(modules, batch_size) as records:
         output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        batch_grads = backward(losses.sum())
+        batch_grads = backward(losses.sum(), verify)
+        if verify:
+            try:
+                torch_checks.check_rows(
+                    records,
+                    lambda weights: backward((losses * weights).sum(), False),
+                    torch_checks.row_weights(batch_size, losses),
+                )
+            except GhostUnsupported as err:
+                raise HooksUnsupported(str(err)) from err
     return losses, records, batch_grads
 
 
@@ -300,14 +319,15 @@ def _forward_backward(
     targets: list[Any],
     target_dims: list[Any],
     batch_size: int,
+    verify: bool,
 ) -> tuple[Any, Any, list[Any]]:
     """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched."""
 
-    def backward(total: torch.Tensor) -> list[Any]:
-        return list(torch.autograd.grad(total, diff, allow_unused=True))
+    def backward(total: torch.Tensor, retain: bool) -> list[Any]:
+        return list(torch.autograd.grad(total, diff, allow_unused=True, retain_graph=retain))
 
     return _batched_pass(
-        spec, loss, params, modules, inputs, targets, target_dims, batch_size, backward
+        spec, loss, params, modules, inputs, targets, target_dims, batch_size, backward, verify
     )
 
 
@@ -321,6 +341,7 @@ def _forward_backward_own(
     targets: list[Any],
     target_dims: list[Any],
     batch_size: int,
+    verify: bool,
 ) -> tuple[Any, Any, list[Any]]:
     """The batch through the model's own parameters and ``.backward()`` (reentrant
     checkpointing); every ``.grad`` is restored afterwards. Batch gradients in ``diff`` order."""
@@ -341,12 +362,15 @@ def _forward_backward_own(
         for p in touched:
             p.grad = None
 
-        def backward(total: torch.Tensor) -> list[Any]:
-            total.backward()
-            return [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
+        def backward(total: torch.Tensor, retain: bool) -> list[Any]:
+            total.backward(retain_graph=retain)
+            grads = [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
+            for p in touched:  # a second (checking) pass must not add to these
+                p.grad = None
+            return grads
 
         return _batched_pass(
-            spec, loss, None, modules, inputs, targets, target_dims, batch_size, backward
+            spec, loss, None, modules, inputs, targets, target_dims, batch_size, backward, verify
         )
     finally:
         for p, grad in zip(touched, saved):

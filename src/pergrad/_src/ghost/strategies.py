@@ -79,8 +79,23 @@ def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn |
         return _looped(spec, bk, single, diff, batched, call.batch_size, weights_from)
     if weights_from is None:
         return Reduction(squared, None)
-    return Reduction(
-        squared, _weighted_gradient(spec, bk, single, diff, batched, weights_from(squared))
+    try:
+        sums = _weighted_gradient(spec, bk, single, diff, batched, weights_from(squared))
+    except Exception as err:
+        # The norms' vmap(grad) ran, but grad(vmap) of the weighted loss batches other
+        # operators (torch's LSTM); the loop gives the same result, one example at a time.
+        _warn_loop(spec, bk, vmap_failure(bk, err), "the weighted loss")
+        spec.resolved = "loop"
+        return _looped(spec, bk, single, diff, batched, call.batch_size, weights_from)
+    return Reduction(squared, sums)
+
+
+def _warn_loop(spec: _Spec, bk: Backend, cause: str, what: str) -> None:
+    warnings.warn(
+        f"{spec.func_name}: {bk.name} could not vectorise {what} ({cause}). Falling back to "
+        f"one example at a time: the same result, but slower.",
+        FallbackWarning,
+        stacklevel=6,
     )
 
 
@@ -105,12 +120,7 @@ def _vectorised_squared_norms(
         cause = vmap_failure(bk, err)
         # If one example fails on its own, the problem is in fn and its own error is clearest.
         _loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
-        warnings.warn(
-            f"{spec.func_name}: {bk.name} could not vectorise fn ({cause}). Falling back to "
-            f"one example at a time: the same result, but slower.",
-            FallbackWarning,
-            stacklevel=5,
-        )
+        _warn_loop(spec, bk, cause, "fn")
         spec.resolved = "loop"
         return None
 

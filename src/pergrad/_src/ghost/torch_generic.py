@@ -10,9 +10,12 @@ examples (``grad`` of ``<layer(x_i), dz_i>``). Only those parameters are materia
 A unit is the outermost module around the parameter whose subtree has no layer rule, below the
 model itself (a parameter the model owns directly would make the whole model the unit: that is
 the chunked strategy, which ``"auto"`` then takes). An input or keyword argument is taken as
-batched when it is a tensor whose first axis has the batch size; the first run of each
-``module_loss`` checks the units' per-example gradients against the batch gradient (their sum
-must equal it), so a shared input of that size cannot silently mislead it.
+batched when it is a tensor whose first axis has the batch size. That is a guess, so it is
+checked: on every run, each example's slice run alone must reproduce its row of the unit's
+batched output, and on the first run of each layout the units' per-example gradients must add
+up to the batch gradient and their output gradients be row-local (``torch_checks.py``); a
+shared input of that size, or a time-first unit with ``T == B``, is refused, never reduced
+along the wrong axis.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.ghost import GhostUnsupported, rule_for
+from pergrad._src.ghost.torch_checks import rows_match
 
 # "auto" takes the ghost strategy only if the generic layers' per-example gradients stay under
 # this many numbers (B x their size; 128 MB in float32), as for the JAX ghost strategy.
@@ -59,6 +63,7 @@ def _has_rule(module: nn.Module) -> bool:
 class UnitCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    output: torch.Tensor
     output_grad: torch.Tensor | None = None
 
 
@@ -76,7 +81,7 @@ def capturing_units(
                 f"layer {name!r} ({type(module).__name__}) did not return the batch of "
                 f"{batch_size} on axis 0"
             )
-        record = UnitCall(args, dict(kwargs))
+        record = UnitCall(args, dict(kwargs), first.detach())
         records[name].append(record)
         if first.requires_grad:
             first.register_hook(lambda grad: setattr(record, "output_grad", grad))
@@ -121,11 +126,20 @@ def per_example(
             rows = [x.unsqueeze(0) if d == 0 else x for x, d in zip(rows, dims)]
             args, kwargs = pytree.tree_unflatten(rows, spec)
             out = _first_tensor(torch.func.functional_call(unit, p, args, kwargs))
-            return (out * output_grad.unsqueeze(0)).sum()
+            return (out * output_grad.unsqueeze(0)).sum(), out.detach()[0]
 
-        grads = torch.func.vmap(torch.func.grad(inner), in_dims=(None, 0, *dims))(
-            params, call.output_grad, *leaves
-        )
+        grads, outputs = torch.func.vmap(
+            torch.func.grad(inner, has_aux=True), in_dims=(None, 0, *dims)
+        )(params, call.output_grad, *leaves)
+        # Each example's slice, run alone, must give its row of the batched output: otherwise
+        # axis 0 of an input was taken for the batch by its size alone.
+        if outputs.shape != call.output.shape or not rows_match(
+            outputs.flatten(1), call.output.flatten(1)
+        ):
+            raise GhostUnsupported(
+                "run alone on each example's slice of its inputs (axis 0), it does not "
+                "reproduce its output in the batch: axis 0 of an input is not the batch"
+            )
         for name, g in grads.items():
             total[name] = total[name] + g if name in total else g
     return total

@@ -27,16 +27,24 @@ it. Module hooks are removed in ``finally``; tensor hooks live on this call's ow
 What the hooks cannot see, and how it is handled:
 
 - a parameter shared by two layers (tied weights), or owned by a layer without a rule: found
-  before running (:func:`plan`); ``strategy="auto"`` then takes the chunked strategy;
-- a layer that does not get the batch on axis 0 of its input and output, a layer called with
-  keyword arguments, or an input changed in place after the layer read it: found while running,
-  reported as :class:`GhostUnsupported` (``"auto"`` falls back to chunked with a warning);
+  before running (:func:`plan`); ``strategy="auto"`` then takes the chunked strategy (a layer
+  without a rule runs alone, ``torch_generic.py``, when its parameters are small);
+- where the batch is. A layer is hooked only if axis 0 of its input and output has the batch
+  size, but a size is not a layout (a time-first layer with ``T == B``, a table shared by the
+  batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``:
+  the arguments' shapes, batch size included) establishes it: every hooked output gradient must
+  be row-local (a second, weighted backward pass) and the first examples run alone must get
+  their batched losses (``torch_checks.py``). A layer run alone must also reproduce its batched
+  output from each example's slice of its inputs. Any failure is :class:`GhostUnsupported`, and
+  ``"auto"`` takes the chunked strategy with a warning;
+- a layer called with keyword arguments, or an input changed in place after the layer read it:
+  found while running, reported the same way;
 - a parameter used outside its layer's ``forward`` (``F.linear(x, self.fc.weight)`` in a parent):
-  only partly detectable. On the first run of each ``module_loss`` (per set of parameters) it is
-  caught when the batch gradient is larger than the per-example norms allow
-  (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when the layer itself is never called; a
-  parameter used both inside and outside its layer may go unnoticed, and a model whose later
-  calls take another path than its first is not checked again.
+  only partly detectable. On the first run of each layout it is caught when the batch gradient
+  is larger than the per-example norms allow (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when
+  the layer itself is never called; a parameter used both inside and outside its layer may go
+  unnoticed, and a model whose later calls of the same shapes take another path than its first
+  is not checked again.
 """
 
 from __future__ import annotations
@@ -51,9 +59,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pergrad._src.api import _Call, _Spec
+from pergrad._src.api import _Call, _single_example_fn, _Spec
 from pergrad._src.errors import PergradValueError, is_pergrad_error
-from pergrad._src.ghost import GhostUnsupported, rule_for, torch_generic
+from pergrad._src.ghost import GhostUnsupported, rule_for, torch_checks, torch_generic
 from pergrad._src.ghost.strategies import Reduction, WeightsFn, weight_groups
 from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
@@ -141,7 +149,15 @@ def ghost(
     modules = {name: model.get_submodule(name) for name, r in layers.items() if r != GENERIC}
     units = {name: model.get_submodule(name) for name, r in layers.items() if r == GENERIC}
     assigned = _unit_parameters(model, units, params)
-    checked = frozenset(params) in loss.ghost_checked
+    key = torch_checks.layout_key(params, [x for leaves in call.leaves[1:] for x in leaves])
+    checked = key in loss.ghost_checked
+    # Each layer's smallest parameter (a bias, usually): differentiating these reaches every
+    # layer's output gradient at almost no cost of its own.
+    light = _one_parameter_per_layer(modules, params) + [
+        min((params[full] for full in names.values()), key=lambda p: p.numel())
+        for names in assigned.values()
+    ]
+    rng = call.backend.rng_state()
     with torch.enable_grad():
         with (
             capturing(modules, batch_size) as records,
@@ -149,16 +165,17 @@ def ghost(
         ):
             output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        # The first run differentiates every parameter, to check the norms against the batch
-        # gradient; later ones only what reaches each layer's output, so the weight gradients
-        # (a third of a training step's work) are never computed.
-        wanted = diff
-        if checked:
-            wanted = _one_parameter_per_layer(modules, params) + [
-                min((params[full] for full in names.values()), key=lambda p: p.numel())
-                for names in assigned.values()
-            ]
-        batch_grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True)
+        # The first run of a layout differentiates every parameter, to check the norms against
+        # the batch gradient; later ones only what reaches each layer's output, so the weight
+        # gradients (a third of a training step's work) are never computed.
+        wanted = light if checked else diff
+        batch_grads = torch.autograd.grad(
+            losses.sum(), wanted, allow_unused=True, retain_graph=not checked
+        )
+        if not checked:
+            _check_layout(
+                spec, call, diff, losses, light, {**records, **unit_records}, rng, batch_size
+            )
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     squared: list[Any] = [None] * len(diff)
     for name, values in _per_layer(modules, records, params, _squared_norms_of):
@@ -174,7 +191,7 @@ def ghost(
             }
             torch_generic.check_sums(unit, owned, by_name)
         _check_consistency(params, position, squared, batch_grads, batch_size)
-        loss.ghost_checked.add(frozenset(params))
+        loss.ghost_checked.add(key)
     _fill_zeros(params, position, squared, batch_size)
     del batch_grads  # P numbers no longer needed: keep the peak at one gradient's worth
     if weights_from is None:
@@ -195,6 +212,43 @@ def ghost(
                 weights.detach().to(grads.dtype), grads, dims=1
             )
     return Reduction(squared, sums)
+
+
+def _check_layout(
+    spec: _Spec,
+    call: _Call,
+    diff: list[torch.Tensor],
+    losses: torch.Tensor,
+    light: list[torch.Tensor],
+    records: dict[str, list[Any]],
+    rng: Any,
+    batch_size: int,
+) -> None:
+    """The first run of a layout: every captured output gradient is row-local, and examples
+    run alone get their batched loss (``torch_checks.py``)."""
+    if batch_size < 2:  # one example: every row is its own
+        return
+
+    def weighted_backward(weights: torch.Tensor) -> None:
+        torch.autograd.grad((losses * weights).sum(), light, allow_unused=True)
+
+    torch_checks.check_rows(
+        records, weighted_backward, torch_checks.row_weights(batch_size, losses)
+    )
+    if call.backend.rng_state_changed(rng):
+        return  # the model draws random numbers (dropout): a run alone draws other ones
+    single = _single_example_fn(spec, call, {})
+    batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
+    detached = tuple(x.detach() for x in diff)
+    index = torch_checks.check_losses_alone(
+        single, detached, batched, losses.detach(), torch_checks.LOSS_CHECKS
+    )
+    if index is not None:
+        raise GhostUnsupported(
+            f"example {index} gets another loss when run alone than in the batched pass: the "
+            f"examples interact (batch statistics, a branch on the whole batch), or the "
+            f"model's output does not hold the batch on axis 0"
+        )
 
 
 def _unit_parameters(
@@ -226,6 +280,8 @@ def _unit_grads(
         unit_params = {rel: params[full].detach() for rel, full in names.items()}
         try:
             grads = torch_generic.per_example(module, unit_params, unit_records[unit], batch_size)
+        except GhostUnsupported as err:
+            raise GhostUnsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
         except Exception as err:
             if is_pergrad_error(err):
                 raise
@@ -240,8 +296,7 @@ def _unit_grads(
 def _one_parameter_per_layer(
     modules: dict[str, nn.Module], params: dict[str, torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Each hooked layer's smallest differentiated parameter (a bias, usually): differentiating
-    these reaches every layer's output gradient at almost no cost of its own."""
+    """Each hooked layer's smallest differentiated parameter."""
     chosen = []
     for module_name, module in modules.items():
         own = [

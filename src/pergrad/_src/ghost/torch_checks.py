@@ -1,0 +1,156 @@
+"""Checks that establish, on a layout's first call, what the PyTorch capture assumes.
+
+The hooks and ghost strategies run the model once on the whole batch and read each layer's input
+and output gradient as if axis 0 held the examples: row ``b`` of a layer's output gradient is
+taken to be example ``b``'s, and the layer's rule reduces over the other axes. Shapes alone
+cannot establish that (a layer run time-first on a ``(T, B, D)`` input with ``T == B`` has the
+batch size on axis 0, and its rows are time steps), so the capture's acceptance of a layer is
+only a first filter; these checks decide:
+
+- :func:`check_rows`: each captured output gradient is *row-local*: the loss of example ``b``
+  reaches row ``b`` of the output and no other row. With that, a rule that treats axis 0
+  independently (every layer rule does: linear maps, convolutions over their batch axis,
+  lookups, norms over trailing axes) gives each example exactly its gradient, whatever the
+  layer's input looks like. Tested by a second backward pass of ``sum_b w_b loss_b``: row-local
+  gradients are then ``w_b`` times the first pass's row ``b``; the weights are spread
+  geometrically over three decades, so any two examples' weights differ by at least
+  ``1000 ** (1 / (B - 1)) - 1`` (2.7% at ``B = 256``), far above the tolerance, and a row that
+  belongs to another example (a permutation) or mixes several is caught.
+- :func:`check_losses_alone`: the batched pass gives each example the loss it gets when run
+  alone (the definition of a per-example gradient), which catches examples that interact (batch
+  statistics, a branch on a batch-wide value), a model output whose axis 0 is not the batch, and
+  a capture that changed what the model computes (the broadcast of shared position ids).
+
+Both run on the first call of each :func:`layout_key` (parameter names and the shapes and dtypes
+of every argument, batch size included: a coincidence like ``T == B`` depends on it), so a
+training loop pays them once per batch shape: one more backward pass and a few forward passes of
+one example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from pergrad._src.ghost import GhostUnsupported
+
+# Relative tolerance per row, and the absolute part as a share of the record's largest row.
+_ROW_TOLERANCE = {torch.float64: (1e-7, 1e-10), torch.float32: (1e-3, 1e-5)}
+_LOW_PRECISION_TOLERANCE = (3e-2, 1e-3)
+_LOSS_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
+
+# How many examples the first call runs alone: enough to catch a model output split along the
+# wrong axis or examples that interact, at the cost of a few forward passes of one example.
+LOSS_CHECKS = 8
+
+
+def layout_key(params: Iterable[str], arguments: Iterable[Any]) -> tuple[Any, ...]:
+    """What the checks are valid for: the parameter names and each tensor's shape and dtype."""
+    shapes = tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in arguments
+    )
+    return (frozenset(params), shapes)
+
+
+def row_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` weights from 1 to 1000 (16 below float32), geometrically spaced."""
+    spread = 1000.0 if like.dtype in (torch.float32, torch.float64) else 16.0
+    steps = torch.arange(batch_size, dtype=torch.float64) / max(batch_size - 1, 1)
+    return (spread**steps).to(device=like.device, dtype=like.dtype)
+
+
+def check_rows(
+    records: dict[str, list[Any]],
+    weighted_backward: Callable[[torch.Tensor], None],
+    weights: torch.Tensor,
+) -> None:
+    """Raise :class:`GhostUnsupported` unless every record's output gradient is row-local.
+
+    Args:
+      records: layer name -> its call records, each with an ``output_grad`` ``(B, ...)`` (or
+        None) from the backward pass of ``sum_b loss_b``. Left as they were.
+      weighted_backward: runs the backward pass of ``sum_b weights[b] * loss_b`` through the
+        same graph, so that the records' tensor hooks overwrite ``output_grad`` (or, where
+        reentrant checkpointing reruns the forward pass inside the backward pass, so that new
+        records are appended, in the same order; they are removed again).
+      weights: ``(B,)``, as :func:`row_weights` gives.
+    """
+    plain = {name: [(r, r.output_grad) for r in rs] for name, rs in records.items()}
+    try:
+        weighted_backward(weights)
+        for name, before in plain.items():
+            reached = [(r, first) for r, first in before if first is not None]
+            rerun = [r.output_grad for r in records[name][len(before) :]]
+            rerun = [g for g in rerun if g is not None]
+            # Reentrant checkpointing reruns the forward pass inside the backward pass: its
+            # new records, in order, pair with the first ones.
+            seconds = rerun or [r.output_grad for r, _ in reached]
+            if len(seconds) != len(reached):
+                raise GhostUnsupported(_row_problem(name))
+            for (_, first), second in zip(reached, seconds):
+                _check_record(name, first, second, weights)
+    finally:
+        for name, before in plain.items():
+            del records[name][len(before) :]
+            for record, first in before:
+                record.output_grad = first
+
+
+def _row_problem(name: str) -> str:
+    return (
+        f"the loss of one example depends on rows of layer {name!r}'s output that belong to "
+        f"other examples: axis 0 has the batch size but does not hold the batch (a time-first "
+        f"or permuted layout, an input shared by the batch), or the examples interact"
+    )
+
+
+def _check_record(
+    name: str, first: torch.Tensor, weighted: torch.Tensor | None, weights: torch.Tensor
+) -> None:
+    if weighted is None:
+        raise GhostUnsupported(_row_problem(name))
+    scale = weights.to(first.dtype).reshape(-1, *[1] * (first.dim() - 1))
+    unweighted = (weighted.detach() / scale).flatten(1)
+    if not rows_match(unweighted, first.detach().flatten(1)):
+        raise GhostUnsupported(_row_problem(name))
+
+
+def rows_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``(B, n)`` rows agree, each within the dtype's tolerance of its norm (plus a
+    share of the largest row's, for rows that cancel to rounding noise)."""
+    relative, absolute = _ROW_TOLERANCE.get(want.dtype, _LOW_PRECISION_TOLERANCE)
+    error = torch.linalg.vector_norm((got - want).double(), dim=1)
+    size = torch.linalg.vector_norm(want.double(), dim=1)
+    return bool((error <= relative * size + absolute * size.max()).all())
+
+
+def check_losses_alone(
+    single: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    losses: torch.Tensor,
+    count: int,
+) -> int | None:
+    """The first example among the first ``count`` whose loss alone differs from its batched
+    loss, or None. ``single(diff_values, example)`` is the loss of one example."""
+    # A loss that cancels to rounding noise (cross-entropy of a confident, right prediction)
+    # is judged at the scale of the batch's largest loss.
+    floor = 64 * torch.finfo(losses.dtype).eps * float(losses.detach().abs().max())
+    with torch.no_grad():
+        for index in range(min(count, losses.shape[0])):
+            alone = single(diff_values, tuple(v[index] for v in batched_values))
+            if not close(losses[index], alone, _LOSS_TOLERANCE, floor):
+                return index
+    return None
+
+
+def close(
+    got: torch.Tensor, want: torch.Tensor, tolerance: dict[Any, float], floor: float = 0.0
+) -> bool:
+    """``|got - want| <= tolerance[dtype] * |want| + floor`` (norms)."""
+    scale = torch.linalg.vector_norm(want) + torch.finfo(want.dtype).tiny
+    error = torch.linalg.vector_norm(got - want)
+    return bool(error <= tolerance.get(want.dtype, 1e-2) * scale + floor)
