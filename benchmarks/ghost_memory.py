@@ -14,7 +14,7 @@ times, and reports the median time and the peak resident memory. Methods:
   (:func:`clipped_sum_of`, ``max_norm=1``), and strategy ``materialize`` (per-example gradients
   then reduce, the reference), ``chunked`` (default chunk size: ``chunk x P <= 2**25`` numbers,
   here 5 examples) and ``ghost`` (torch: layer hooks on one forward pass; JAX: the traced loss's
-  contractions, see ``pergrad/_src/ghost/jax_ghost.py``).
+  contractions, see ``pergrad/_src/strategies/ghost_jax.py``).
 
 Materialising is skipped, with a note, when ``B x P x 4`` bytes exceeds ``--max-materialize-gb``.
 JAX methods run under ``jax.jit``. Extra memory = peak - baseline; its ratio is to the floor's.
@@ -68,7 +68,7 @@ def torch_method(method: str, batch_size: int) -> Callable[[], Any]:
     from torch import nn
 
     import pergrad
-    from pergrad._src.ghost.api import clipped_sum_of, per_example_norms_of
+    from pergrad._src.core.reductions import clipped_sum_of, per_example_norms_of
 
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -99,7 +99,7 @@ def jax_method(method: str, batch_size: int) -> Callable[[], Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pergrad._src.ghost.api import clipped_sum_of, per_example_norms_of
+    from pergrad._src.core.reductions import clipped_sum_of, per_example_norms_of
 
     rng = np.random.default_rng(0)
     params = [

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pergrad._src.accounting import Accountant, epsilon, noise_multiplier_for
+from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 
 dpa = pytest.importorskip("dp_accounting", reason="privacy accounting needs dp-accounting")
 
@@ -214,7 +214,7 @@ def test_missing_dp_accounting_asks_to_install_the_extra(monkeypatch):
 
 
 def test_importing_the_module_does_not_import_dp_accounting():
-    code = "import sys, pergrad._src.accounting; assert 'dp_accounting' not in sys.modules"
+    code = "import sys, pergrad._src.dp.accounting; assert 'dp_accounting' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

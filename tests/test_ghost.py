@@ -1,4 +1,4 @@
-"""Norms and clipped sums without materialising per-example gradients (``pergrad._src.ghost``).
+"""Norms and clipped sums without materialising per-example gradients (``pergrad._src.capture.rules``).
 
 Every result is checked against the materialised reference:
 ``pergrad.norms.per_example_norms(pergrad.per_example_grads(fn)(*args))`` and
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pergrad
-from pergrad._src.ghost.api import choose_strategy, clipped_sum_of, per_example_norms_of
+from pergrad._src.core.reductions import choose_strategy, clipped_sum_of, per_example_norms_of
 
 RTOL = 1e-5  # relative to the largest entry of the reference
 
@@ -389,7 +389,7 @@ def test_a_layer_without_a_rule_runs_alone_and_the_rest_stays_ghost():
 
 
 def test_auto_takes_chunked_when_layers_without_rules_are_large(monkeypatch):
-    from pergrad._src.ghost import torch_generic
+    from pergrad._src.capture import torch_generic
 
     loss, args = attention_problem()
     monkeypatch.setattr(torch_generic, "MAX_MATERIALIZED_NUMBERS", 10)
@@ -643,7 +643,7 @@ def test_empty_batch():
 )
 def test_outer_product_squared_norms_equal_the_formed_gradient(batch, groups, positions, p, q):
     """Both branches (Gram matrices for T^2 <= p q, the formed a^T d otherwise), float64."""
-    from pergrad._src.ghost.torch_layers import outer_product_squared_norms
+    from pergrad._src.capture.torch_layers import outer_product_squared_norms
 
     generator = torch.Generator().manual_seed(batch * 1000 + positions * 10 + p)
     a = torch.randn(batch, groups, positions, p, generator=generator, dtype=torch.float64)
@@ -656,7 +656,7 @@ def test_outer_product_squared_norms_equal_the_formed_gradient(batch, groups, po
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 5), st.sampled_from([None, 0]))
 def test_embedding_rule_equals_the_scattered_gradient(batch, length, vocab, padding_idx):
-    from pergrad._src.ghost.torch_layers import LayerCall, embedding_squared_norms
+    from pergrad._src.capture.torch_layers import LayerCall, embedding_squared_norms
 
     generator = torch.Generator().manual_seed(batch * 100 + length * 10 + vocab)
     layer = nn.Embedding(vocab, 3, padding_idx=padding_idx)
@@ -737,7 +737,7 @@ def test_a_loss_fn_that_vmap_cannot_batch_is_looped_over_the_rows():
 
 def test_ghost_runs_the_model_once_on_the_whole_batch():
     """Once per call; the first call of a layout also runs a few examples alone (its check)."""
-    from pergrad._src.ghost.torch_checks import LOSS_CHECKS
+    from pergrad._src.capture.torch_checks import LOSS_CHECKS
 
     loss, args = make(GHOST_ZOO["mlp"])
     seen = []

@@ -29,22 +29,22 @@ Data-parallel DP-SGD over ``torch.distributed``: ``DPOptimizer(..., distributed=
 
 from typing import Any
 
-from pergrad._src.accounting import Accountant, epsilon, noise_multiplier_for
-from pergrad._src.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
-from pergrad._src.ghost.api import clipped_sum_of, private_grad_of
-from pergrad._src.sampling import max_batch_size_for, pad_batch, poisson_batches
+from pergrad._src.core.reductions import clipped_sum_of, private_grad_of
+from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
+from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
 
 _LAZY = {
-    "optax_aggregate": "pergrad._src.dp_optax",
-    "dpsgd": "pergrad._src.dp_optax",
-    "PrivateAggregateState": "pergrad._src.dp_optax",
-    "psum_clipped": "pergrad._src.sharding",
-    "shard_batch": "pergrad._src.sharding",
-    "DPOptimizer": "pergrad._src.dp_torch",
-    "DPStep": "pergrad._src.dp_torch",
-    "broadcast_parameters": "pergrad._src.dp_distributed",
-    "PoissonBatchSampler": "pergrad._src.torch_sampling",
-    "collate_with_empty_batches": "pergrad._src.torch_sampling",
+    "optax_aggregate": "pergrad._src.jax.optax",
+    "dpsgd": "pergrad._src.jax.optax",
+    "PrivateAggregateState": "pergrad._src.jax.optax",
+    "psum_clipped": "pergrad._src.jax.sharding",
+    "shard_batch": "pergrad._src.jax.sharding",
+    "DPOptimizer": "pergrad._src.torch.dp_optimizer",
+    "DPStep": "pergrad._src.torch.dp_optimizer",
+    "broadcast_parameters": "pergrad._src.torch.distributed",
+    "PoissonBatchSampler": "pergrad._src.torch.sampling",
+    "collate_with_empty_batches": "pergrad._src.torch.sampling",
 }
 
 __all__ = [

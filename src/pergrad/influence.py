@@ -20,8 +20,9 @@ shards' results (or :func:`all_gather_top_k` over ``torch.distributed``); the me
 equals the single-process one, ties included.
 """
 
-from pergrad._src.ihvp import CG, Exact, InfluenceWarning, LiSSA
-from pergrad._src.influence import (
+from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.projection import project
+from pergrad._src.influence.scores import (
     grad_cosine,
     grad_dot,
     influence_function,
@@ -29,8 +30,7 @@ from pergrad._src.influence import (
     self_influence,
     tracin,
 )
-from pergrad._src.projection import project
-from pergrad._src.streaming import (
+from pergrad._src.influence.streaming import (
     TopK,
     all_gather_top_k,
     merge_top_k,

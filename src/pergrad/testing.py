@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from pergrad._src import api
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.core.api import per_example_grads
+from pergrad._src.core.call import map_arrays
 
 __all__ = ["assert_matches_loop", "assert_mean_equals_batch_grad", "assert_sum_equals_batch_grad"]
 
@@ -28,11 +29,8 @@ def assert_matches_loop(
     atol: float = 1e-6,
 ) -> None:
     """Vectorised per-example gradients equal a loop of single-example gradients."""
-    vectorised = api.per_example_grads(fn, argnums=argnums, in_axes=in_axes)(*args)
-    loop_spec = api._Spec.create(
-        "assert_matches_loop", fn, argnums, in_axes, False, None, None, None, "loop"
-    )
-    _, looped = api._compute(loop_spec, args, {})
+    vectorised = per_example_grads(fn, argnums=argnums, in_axes=in_axes)(*args)
+    looped = per_example_grads(fn, argnums=argnums, in_axes=in_axes, strategy="loop")(*args)
     _assert_trees_close("per-example gradients vs the loop", vectorised, looped, rtol, atol)
 
 
@@ -69,9 +67,9 @@ def assert_sum_equals_batch_grad(
 def _assert_reduction_matches(fn, batch_loss, args, argnums, in_axes, reduction, rtol, atol):
     if not isinstance(argnums, int) or isinstance(argnums, bool):
         raise TypeError(f"argnums must be one int here; got {argnums!r}.")
-    per_example = api.per_example_grads(fn, argnums=argnums, in_axes=in_axes)(*args)
+    per_example = per_example_grads(fn, argnums=argnums, in_axes=in_axes)(*args)
     bk = backend_of(args, "pergrad.testing", "args")
-    reduced = api._map_arrays(bk, lambda g: getattr(g, reduction)(0), per_example)
+    reduced = map_arrays(bk, lambda g: getattr(g, reduction)(0), per_example)
     expected = _batch_gradient(bk, batch_loss, args, argnums)
     _assert_trees_close(
         f"{reduction} of per-example gradients vs the batch gradient", reduced, expected, rtol, atol

@@ -22,3 +22,9 @@ class FallbackWarning(UserWarning):
 
 def is_pergrad_error(err: BaseException) -> bool:
     return isinstance(err, (PergradValueError, PergradTypeError))
+
+
+class GhostUnsupported(Exception):
+    """Internal: this call cannot take the ghost strategy (of either framework), or a capture
+    check failed; the message says why. ``"auto"`` falls back on it; it never reaches users
+    except as the cause of a :class:`PergradValueError` under a forced strategy."""

@@ -20,7 +20,7 @@ from pergrad._src.backends import Backend, backend_of
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 
-def _flat_leaves(func_name: str, grads: Any) -> tuple[Backend, list[str], list[Any], Any, int]:
+def flat_leaves(func_name: str, grads: Any) -> tuple[Backend, list[str], list[Any], Any, int]:
     """Backend, paths, leaves reshaped to ``(B, -1)``, structure and batch size of ``grads``."""
     bk = backend_of(grads, func_name, "grads")
     paths, leaves, treedef = bk.flatten(grads)
@@ -66,7 +66,7 @@ def per_example_norms(grads: Any, per_layer: bool = False) -> Any:
       A ``(B,)`` array of the framework of ``grads``, or a pytree of them with ``per_layer``.
       The per-leaf norms squared sum to the global norm squared.
     """
-    bk, _, flat, treedef, _ = _flat_leaves("per_example_norms", grads)
+    bk, _, flat, treedef, _ = flat_leaves("per_example_norms", grads)
     if not isinstance(per_layer, bool):
         raise PergradTypeError(f"per_example_norms: per_layer must be a bool; got {per_layer!r}.")
     squared = _squared_norms(flat)
@@ -81,7 +81,7 @@ def cosine_to_mean(grads: Any, eps: float = 1e-12) -> Any:
     Examples that pull against the rest of the batch (mislabeled, adversarial) have low or
     negative values. ``eps`` guards zero gradients, which get a cosine of 0.
     """
-    bk, _, flat, _, batch_size = _flat_leaves("cosine_to_mean", grads)
+    bk, _, flat, _, batch_size = flat_leaves("cosine_to_mean", grads)
     if batch_size == 0:
         raise PergradValueError("cosine_to_mean: grads has an empty batch (B == 0).")
     means = [leaf.mean(0) for leaf in flat]
@@ -126,7 +126,7 @@ def noise_scale(grads: Any) -> NoiseScale:
 
     Needs ``B >= 2``. Returns a :class:`NoiseScale` of Python floats.
     """
-    bk, _, flat, _, batch_size = _flat_leaves("noise_scale", grads)
+    bk, _, flat, _, batch_size = flat_leaves("noise_scale", grads)
     if batch_size < 2:
         raise PergradValueError(
             f"noise_scale: needs at least 2 examples to estimate a variance; grads has a batch "

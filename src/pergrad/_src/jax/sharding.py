@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pergrad._src.backends import backend_of
-from pergrad._src.clipping import ClippedSum
+from pergrad._src.dp.types import ClippedSum
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 

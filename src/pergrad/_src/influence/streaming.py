@@ -21,8 +21,8 @@ import numpy as np
 
 from pergrad._src.backends import backend_of
 from pergrad._src.errors import PergradTypeError, PergradValueError
-from pergrad._src.ihvp import check_damping, check_solver, solve
-from pergrad._src.influence import _check_batch, _check_same_arity, _Loss
+from pergrad._src.influence.ihvp import check_damping, check_solver, solve
+from pergrad._src.influence.scores import FlatLoss, check_batch, check_same_arity
 
 _METHODS = ("influence", "dot", "cosine")
 
@@ -98,15 +98,15 @@ def top_k(
     _check_offset(name, offset)
     if method not in _METHODS:
         raise PergradValueError(f"{name}: method must be one of {list(_METHODS)}; got {method!r}.")
-    loss = _Loss.create(name, fn, params, chunk_size)
-    test, _ = _check_batch(name, "test_batch", loss.backend, test_batch)
+    loss = FlatLoss.create(name, fn, params, chunk_size)
+    test, _ = check_batch(name, "test_batch", loss.backend, test_batch)
     rows = _test_rows(name, loss, test, method, hessian_batch, damping, solver)
     best = _Running(k, largest=True)
     worst = _Running(k, largest=False)
     seen = 0
     for batch in _with_progress(train_batches, progress):
-        batch, count = _check_batch(name, "each training batch", loss.backend, batch)
-        _check_same_arity(name, batch, "a training batch", test, "test_batch")
+        batch, count = check_batch(name, "each training batch", loss.backend, batch)
+        check_same_arity(name, batch, "a training batch", test, "test_batch")
         scores = loss.backend.to_numpy(_scores(loss, batch, count, rows, method))
         best.update(scores, offset + seen)
         worst.update(scores, offset + seen)
@@ -127,12 +127,12 @@ def _test_rows(name, loss, test, method, hessian_batch, damping, solver) -> Any:
             f"{name}: method='influence' needs hessian_batch, a batch of training examples "
             f"whose mean loss stands for the training set's Hessian (the stream is read once)."
         )
-    batch, count = _check_batch(name, "hessian_batch", loss.backend, hessian_batch)
+    batch, count = check_batch(name, "hessian_batch", loss.backend, hessian_batch)
     operator = loss.hessian(batch, count, check_damping(name, damping))
     return solve(name, operator, grads, check_solver(name, solver))
 
 
-def _scores(loss: _Loss, batch: tuple, count: int, rows: Any, method: str) -> Any:
+def _scores(loss: FlatLoss, batch: tuple, count: int, rows: Any, method: str) -> Any:
     if method != "cosine":
         return loss.grads_dot(batch, count, rows)
     grads = loss.grads(batch)

@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pergrad._src.api import per_example_grads
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.core.api import per_example_grads
 from pergrad._src.errors import PergradTypeError, PergradValueError
-from pergrad._src.flat_params import FlatParams
-from pergrad._src.ihvp import HessianOperator, check_damping, check_solver, solve
-from pergrad._src.norms import _flat_leaves
+from pergrad._src.influence.flat_params import FlatParams
+from pergrad._src.influence.ihvp import HessianOperator, check_damping, check_solver, solve
+from pergrad._src.norms import flat_leaves
 
 # --------------------------------------------------------------------------------------------
 # Scores from per-example gradients.
@@ -36,8 +36,8 @@ from pergrad._src.norms import _flat_leaves
 
 def _paired_leaves(func_name: str, train_grads: Any, test_grads: Any) -> tuple[Backend, list]:
     """``(train (n, p), test (m, p))`` per leaf, after checking the two trees match."""
-    bk, train_paths, train_flat, train_def, _ = _flat_leaves(func_name, train_grads)
-    test_bk, test_paths, test_flat, test_def, _ = _flat_leaves(func_name, test_grads)
+    bk, train_paths, train_flat, train_def, _ = flat_leaves(func_name, train_grads)
+    test_bk, test_paths, test_flat, test_def, _ = flat_leaves(func_name, test_grads)
     if test_bk.name != bk.name:
         raise PergradTypeError(
             f"{func_name}: train_grads holds {bk.name} arrays and test_grads holds "
@@ -137,7 +137,7 @@ def _check_chunk_size(func_name: str, chunk_size: Any) -> int | None:
     return chunk_size
 
 
-def _check_batch(func_name: str, arg_name: str, bk: Backend, batch: Any) -> tuple[tuple, int]:
+def check_batch(func_name: str, arg_name: str, bk: Backend, batch: Any) -> tuple[tuple, int]:
     """``batch`` as a tuple of batched arguments, and its number of examples."""
     if not isinstance(batch, (tuple, list)):
         raise PergradTypeError(
@@ -182,7 +182,7 @@ def _check_batch(func_name: str, arg_name: str, bk: Backend, batch: Any) -> tupl
     return tuple(batch), count
 
 
-def _check_same_arity(func_name: str, batch: tuple, name: str, other: tuple, other_name: str):
+def check_same_arity(func_name: str, batch: tuple, name: str, other: tuple, other_name: str):
     if len(batch) != len(other):
         raise PergradValueError(
             f"{func_name}: {other_name} has {len(other)} argument(s) but {name} has "
@@ -195,7 +195,7 @@ def _check_same_arity(func_name: str, batch: tuple, name: str, other: tuple, oth
 
 
 @dataclass
-class _Loss:
+class FlatLoss:
     """``fn`` over the flat parameters: per-example gradients as ``(n, P)`` rows."""
 
     func_name: str
@@ -207,7 +207,7 @@ class _Loss:
     @classmethod
     def create(
         cls, func_name: str, fn: Any, params: Any, chunk_size: Any, arg_name: str = "params"
-    ) -> _Loss:
+    ) -> FlatLoss:
         _check_fn(func_name, fn)
         bk = backend_of(params, func_name, arg_name)
         flat = FlatParams.create(func_name, arg_name, bk, params)
@@ -259,7 +259,7 @@ def _slice(bk: Backend, batch: tuple[Any, ...], start: int, stop: int) -> tuple[
 
 def _hessian_for(
     func_name: str,
-    loss: _Loss,
+    loss: FlatLoss,
     train_batch: tuple,
     n_train: int,
     hessian_batch: Any,
@@ -268,8 +268,8 @@ def _hessian_for(
     if hessian_batch is None:
         batch, count = train_batch, n_train
     else:
-        batch, count = _check_batch(func_name, "hessian_batch", loss.backend, hessian_batch)
-        _check_same_arity(func_name, train_batch, "train_batch", batch, "hessian_batch")
+        batch, count = check_batch(func_name, "hessian_batch", loss.backend, hessian_batch)
+        check_same_arity(func_name, train_batch, "train_batch", batch, "hessian_batch")
     return loss.hessian(batch, count, damping)
 
 
@@ -331,10 +331,10 @@ def influence_function(
     (``H`` is symmetric, so either side can be solved for), plus per-example gradients of both.
     """
     name = "influence_function"
-    loss = _Loss.create(name, fn, params, chunk_size)
-    train, n_train = _check_batch(name, "train_batch", loss.backend, train_batch)
-    test, n_test = _check_batch(name, "test_batch", loss.backend, test_batch)
-    _check_same_arity(name, train, "train_batch", test, "test_batch")
+    loss = FlatLoss.create(name, fn, params, chunk_size)
+    train, n_train = check_batch(name, "train_batch", loss.backend, train_batch)
+    test, n_test = check_batch(name, "test_batch", loss.backend, test_batch)
+    check_same_arity(name, train, "train_batch", test, "test_batch")
     damping = check_damping(name, damping)
     solver = check_solver(name, solver)
     operator = _hessian_for(name, loss, train, n_train, hessian_batch, damping)
@@ -366,8 +366,8 @@ def self_influence(
       ``(n_train,)`` scores, an array of the parameters' framework.
     """
     name = "self_influence"
-    loss = _Loss.create(name, fn, params, chunk_size)
-    train, n_train = _check_batch(name, "train_batch", loss.backend, train_batch)
+    loss = FlatLoss.create(name, fn, params, chunk_size)
+    train, n_train = check_batch(name, "train_batch", loss.backend, train_batch)
     damping = check_damping(name, damping)
     solver = check_solver(name, solver)
     operator = _hessian_for(name, loss, train, n_train, hessian_batch, damping)
@@ -397,8 +397,8 @@ def inverse_hvp(
       A pytree like ``vectors``; non-float leaves of ``params`` come back as None.
     """
     name = "inverse_hvp"
-    loss = _Loss.create(name, fn, params, chunk_size)
-    batch, count = _check_batch(name, "batch", loss.backend, batch)
+    loss = FlatLoss.create(name, fn, params, chunk_size)
+    batch, count = check_batch(name, "batch", loss.backend, batch)
     damping = check_damping(name, damping)
     solver = check_solver(name, solver)
     rows = _vectors_to_rows(name, loss, vectors)
@@ -406,7 +406,7 @@ def inverse_hvp(
     return loss.flat.rows_to_tree(solve(name, operator, rows, solver))
 
 
-def _vectors_to_rows(func_name: str, loss: _Loss, vectors: Any) -> Any:
+def _vectors_to_rows(func_name: str, loss: FlatLoss, vectors: Any) -> Any:
     bk, flat = loss.backend, loss.flat
     paths, leaves, _ = bk.flatten(vectors)
     expected = [(flat.paths[i], shape) for i, shape in zip(flat.positions, flat.shapes)]
@@ -462,10 +462,10 @@ def tracin(
     rates = _check_checkpoints(name, checkpoints, learning_rates)
     total = None
     for index, (params, rate) in enumerate(zip(checkpoints, rates)):
-        loss = _Loss.create(name, fn, params, chunk_size, arg_name=f"checkpoints[{index}]")
-        train, n_train = _check_batch(name, "train_batch", loss.backend, train_batch)
-        test, _ = _check_batch(name, "test_batch", loss.backend, test_batch)
-        _check_same_arity(name, train, "train_batch", test, "test_batch")
+        loss = FlatLoss.create(name, fn, params, chunk_size, arg_name=f"checkpoints[{index}]")
+        train, n_train = check_batch(name, "train_batch", loss.backend, train_batch)
+        test, _ = check_batch(name, "test_batch", loss.backend, test_batch)
+        check_same_arity(name, train, "train_batch", test, "test_batch")
         term = loss.grads_dot(train, n_train, loss.grads(test)) * rate
         total = term if total is None else total + term
     return total

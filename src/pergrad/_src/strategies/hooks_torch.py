@@ -4,7 +4,7 @@ hooks, for PyTorch models wrapped by :func:`pergrad.module_loss`.
 Where ``torch.func.vmap`` cannot batch a model (activation checkpointing, Hugging Face attention
 masks with data-dependent branches, custom ``autograd.Function`` s without a vmap rule), plain
 autograd still runs it on the whole batch. The hooks keep, for every layer owning a parameter,
-its input and the gradient at its output; each layer family's rule (``ghost/torch_layers.py``)
+its input and the gradient at its output; each layer family's rule (``capture/torch_layers.py``)
 turns those into the per-example gradients of its parameters (for a linear layer,
 ``sum_t d_t a_t^T`` per example). One forward and one backward pass over the batch, as Opacus's
 ``GradSampleModule`` and BackPACK's ``BatchGrad`` do.
@@ -18,7 +18,7 @@ It is only used when it is right, and checked while it runs:
   of a parameter the hooks did not see (``F.linear(x, self.fc.weight)`` in a parent module)
   breaks that sum and the call is refused (``"auto"`` then loops);
 - on the first call of each layout (the arguments' shapes, batch size included), each hooked
-  layer's output gradient must be row-local (``ghost/torch_checks.py``: a second, weighted
+  layer's output gradient must be row-local (``capture/torch_checks.py``: a second, weighted
   backward pass), so a layer that has the batch size on axis 0 without holding the batch there
   (time-first with ``T == B``) is refused; and the first 64 examples are run alone (forward
   only) and must get the loss they got in the batch, and example 0's gradient alone must equal
@@ -47,17 +47,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.api import _Call, _Spec
-from pergrad._src.errors import PergradValueError
-from pergrad._src.ghost import rule_for, torch_checks
-from pergrad._src.ghost.torch_ghost import (
-    GhostUnsupported,
+from pergrad._src.capture import torch_checks
+from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.torch_engine import (
     capturing,
     model_and_loss_arguments,
     per_example_losses,
 )
-from pergrad._src.ghost.torch_layers import LayerCall
-from pergrad._src.torch_module import ModuleLoss, refuse_batch_mixing_layers
+from pergrad._src.capture.torch_layers import LayerCall
+from pergrad._src.core.call import Call, Spec
+from pergrad._src.errors import GhostUnsupported, PergradValueError
+from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
 # the summation's rounding (sum_i |g_i| <= sqrt(B sum_i |g_i|^2)) times a few ulps.
@@ -88,7 +88,7 @@ class HooksPlan:
         return sorted({module for uses in self.owners.values() for module, _ in uses})
 
 
-def plan(spec: _Spec, loss: Any, params: Any) -> HooksPlan:
+def plan(spec: Spec, loss: Any, params: Any) -> HooksPlan:
     """Check, without running anything, whether the hooks can give every parameter's gradient."""
     if not isinstance(loss, ModuleLoss):
         return HooksPlan(unsupported={"fn": "layer hooks need a loss made by pergrad.module_loss"})
@@ -143,8 +143,8 @@ def own_parameters(loss: ModuleLoss, params: dict[str, torch.Tensor]) -> bool:
 
 
 def value_and_grads(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     hooks_plan: HooksPlan,
     single: Callable[..., Any],
     diff_values: tuple[Any, ...],
@@ -177,8 +177,8 @@ def value_and_grads(
 
 
 def _check_examples_independent(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     hooks_plan: HooksPlan,
     single: Callable[..., Any],
     diff_values: tuple[Any, ...],
@@ -222,8 +222,8 @@ def _check_examples_independent(
 
 
 def _one_pass(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     hooks_plan: HooksPlan,
     diff_values: tuple[Any, ...],
     batched_values: tuple[Any, ...],
@@ -277,7 +277,7 @@ def _one_pass(
 
 
 def _batched_pass(
-    spec: _Spec,
+    spec: Spec,
     loss: ModuleLoss,
     params: dict[str, torch.Tensor] | None,
     modules: dict[str, nn.Module],
@@ -310,7 +310,7 @@ def _batched_pass(
 
 
 def _forward_backward(
-    spec: _Spec,
+    spec: Spec,
     loss: ModuleLoss,
     params: dict[str, torch.Tensor],
     diff: list[torch.Tensor],
@@ -332,7 +332,7 @@ def _forward_backward(
 
 
 def _forward_backward_own(
-    spec: _Spec,
+    spec: Spec,
     loss: ModuleLoss,
     params: dict[str, torch.Tensor],
     diff: list[torch.Tensor],

@@ -21,8 +21,8 @@ import numpy as np
 
 from pergrad._src.backends import Backend
 from pergrad._src.errors import PergradValueError
-from pergrad._src.ihvp import as_backend_array
-from pergrad._src.norms import _flat_leaves
+from pergrad._src.influence.ihvp import as_backend_array
+from pergrad._src.norms import flat_leaves
 
 ROWS_PER_DRAW = 512
 KINDS = ("gaussian", "rademacher")
@@ -56,7 +56,7 @@ def project(
     that both frameworks see the same matrix).
     """
     name = "project"
-    bk, _, flat, _, count = _flat_leaves(name, grads)
+    bk, _, flat, _, count = flat_leaves(name, grads)
     _check_options(k, seed, kind, block_size)
     total = sum(bk.shape(leaf)[1] for leaf in flat)
     result = None

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pergrad._src.ghost import GhostUnsupported
+from pergrad._src.errors import GhostUnsupported
 
 # Relative tolerance per row, and the absolute part as a share of the record's largest row.
 _ROW_TOLERANCE = {torch.float64: (1e-7, 1e-10), torch.float32: (1e-3, 1e-5)}

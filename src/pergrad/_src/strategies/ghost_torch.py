@@ -49,22 +49,27 @@ What the hooks cannot see, and how it is handled:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
-from pergrad._src.api import _Call, _single_example_fn, _Spec
-from pergrad._src.errors import PergradValueError, is_pergrad_error
-from pergrad._src.ghost import GhostUnsupported, rule_for, torch_checks, torch_generic
-from pergrad._src.ghost.strategies import Reduction, WeightsFn, weight_groups
-from pergrad._src.ghost.torch_layers import LayerCall  # importing it registers the rules
-from pergrad._src.torch_module import ModuleLoss, _as_scalar, refuse_batch_mixing_layers
+from pergrad._src.capture import torch_checks, torch_generic
+from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.torch_engine import (
+    LayerRecord,
+    capturing,
+    layer_calls,
+    model_and_loss_arguments,
+    per_example_losses,
+)
+from pergrad._src.capture.torch_layers import LayerCall  # importing it registers the rules
+from pergrad._src.core.call import Call, Spec, single_example_fn
+from pergrad._src.errors import GhostUnsupported, is_pergrad_error
+from pergrad._src.strategies.chunked import Reduction, WeightsFn, weight_groups
+from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The rule name of a layer without a rule, handled by torch_generic.py.
 GENERIC = "generic"
@@ -131,8 +136,8 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
 
 
 def ghost(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     loss: ModuleLoss,
     layers: dict[str, str],
     weights_from: WeightsFn | None,
@@ -215,8 +220,8 @@ def ghost(
 
 
 def _check_layout(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     diff: list[torch.Tensor],
     losses: torch.Tensor,
     light: list[torch.Tensor],
@@ -237,7 +242,7 @@ def _check_layout(
     )
     if call.backend.rng_state_changed(rng):
         return  # the model draws random numbers (dropout): a run alone draws other ones
-    single = _single_example_fn(spec, call, {})
+    single = single_example_fn(spec, call, {})
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     detached = tuple(x.detach() for x in diff)
     index = torch_checks.check_losses_alone(
@@ -329,179 +334,16 @@ def _weighted_sum_of(weights: torch.Tensor) -> Any:
     return weighted_sum
 
 
-def model_and_loss_arguments(
-    call: _Call, args: list[Any], num_inputs: int, batch_size: int
-) -> tuple[tuple[Any, ...], list[Any], list[Any]]:
-    """The model's batched inputs, the loss function's arguments and their ``vmap`` dims.
-
-    ``module_loss`` gives every per-example argument a batch axis of one; a shared (unbatched)
-    model input therefore becomes ``B`` copies, and a shared target keeps ``in_dims=None``.
-    """
-    batched = set(call.batched_positions)
-    inputs, targets, target_dims = [], [], []
-    for i, arg in enumerate(args[1:], start=1):
-        _, leaves, treedef = call.backend.flatten(arg)
-        dims = [0 if (i, j) in batched else None for j in range(len(leaves))]
-        if i <= num_inputs:
-            leaves = [
-                x.unsqueeze(0).expand(batch_size, *x.shape)
-                if d is None and isinstance(x, torch.Tensor)
-                else x
-                for x, d in zip(leaves, dims)
-            ]
-            inputs.append(call.backend.unflatten(treedef, leaves))
-        else:
-            targets.append(arg)
-            target_dims.append(call.backend.unflatten(treedef, dims))
-    return tuple(inputs), targets, target_dims
-
-
-@dataclass
-class _Record:
-    inputs: tuple[Any, ...]
-    input_versions: tuple[int, ...]
-    output_grad: torch.Tensor | None = None
-
-
-@contextmanager
-def capturing(modules: dict[str, nn.Module], batch_size: int) -> Iterator[dict[str, list[_Record]]]:
-    """Forward hooks that record each call of ``modules`` (by name); removed on the way out."""
-    records: dict[str, list[_Record]] = {name: [] for name in modules}
-
-    def hook(name: str, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
-        first = inputs[0] if inputs else None
-        expanded = None
-        if _broadcast_lookup(module, first, output, batch_size):
-            # Position embeddings: one (1, T) row of indices shared by the batch, its output
-            # broadcast against the (B, T, D) token embeddings. Expanding it to B rows changes
-            # no value and gives each example its own output gradient.
-            first = first.expand(batch_size, *first.shape[1:])
-            inputs = (first, *inputs[1:])
-            output = expanded = output.expand(batch_size, *output.shape[1:])
-        if not (
-            isinstance(first, torch.Tensor)
-            and isinstance(output, torch.Tensor)
-            and first.dim() > 0
-            and first.shape[0] == batch_size
-            and output.dim() > 0
-            and output.shape[0] == batch_size
-        ):
-            raise GhostUnsupported(
-                f"layer {name!r} ({type(module).__name__}) did not get the batch of "
-                f"{batch_size} on axis 0 of a positional input and of its output"
-            )
-        record = _Record(inputs, tuple(getattr(x, "_version", 0) for x in inputs))
-        records[name].append(record)
-        if output.requires_grad:
-            output.register_hook(lambda grad: setattr(record, "output_grad", grad))
-        return expanded
-
-    handles = [
-        module.register_forward_hook(functools.partial(hook, name))
-        for name, module in modules.items()
-    ]
-    try:
-        yield records
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _broadcast_lookup(module: nn.Module, first: Any, output: Any, batch_size: int) -> bool:
-    return (
-        isinstance(module, nn.Embedding)
-        and batch_size > 1
-        and isinstance(first, torch.Tensor)
-        and isinstance(output, torch.Tensor)
-        and first.dim() > 1
-        and first.shape[0] == 1
-        and output.shape[0] == 1
-    )
-
-
-def per_example_losses(
-    spec: _Spec,
-    loss: ModuleLoss,
-    output: Any,
-    targets: list[Any],
-    target_dims: list[Any],
-    batch_size: int,
-) -> torch.Tensor:
-    """``loss_fn`` on each example's output row, as ``module_loss`` calls it: ``(B,)``."""
-
-    # Output leaves with the batch on axis 0 are split by example; anything else (a Hugging Face
-    # key-value cache object, a shared tensor) is passed to every row as it is.
-    leaves, treedef = pytree.tree_flatten(output)
-    split = [
-        isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves
-    ]
-    batched_leaves = [x for x, b in zip(leaves, split) if b]
-
-    def loss_of_row(leaf_rows: list[Any], *target_rows: Any) -> Any:
-        rows = iter(leaf_rows)
-        output_row = pytree.tree_unflatten(
-            [next(rows) if b else x for x, b in zip(leaves, split)], treedef
-        )
-        batch_of_one = [pytree.tree_map(_add_batch_axis, x) for x in (output_row, *target_rows)]
-        return _as_scalar(loss.loss_fn(*batch_of_one))
-
-    try:
-        losses = torch.func.vmap(loss_of_row, in_dims=(0, *target_dims))(batched_leaves, *targets)
-    except Exception as err:
-        if is_pergrad_error(err):
-            raise
-        # loss_fn cannot be vmapped: a loop over the rows (cheap next to the model); if one
-        # row fails too, that error, from the user's loss_fn, is the clearest.
-        losses = torch.stack(
-            [
-                loss_of_row(*_row(index, (batched_leaves, *targets), (0, *target_dims)))
-                for index in range(batch_size)
-            ]
-        )
-    if not (
-        isinstance(losses, torch.Tensor)
-        and losses.shape == (batch_size,)
-        and losses.is_floating_point()
-    ):
-        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-        raise PergradValueError(
-            f"{spec.func_name}: fn must return a real scalar loss for one example; loss_fn on "
-            f"one example's output gave {got} per example. (has_aux losses are not supported "
-            f"here: return only the loss.)"
-        )
-    return losses
-
-
-def _row(index: int, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> list[Any]:
-    """Example ``index`` of each tree: leaves batched on axis 0 (dims 0) indexed, others kept."""
-    rows = []
-    for tree, tree_dims in zip(trees, dims):
-        leaves, spec = pytree.tree_flatten(tree)
-        leaf_dims = pytree.tree_flatten(tree_dims)[0]  # None is a leaf in torch's pytrees
-        if len(leaf_dims) != len(leaves):  # one 0 / None for the whole tree
-            leaf_dims = leaf_dims * len(leaves)
-        rows.append(
-            pytree.tree_unflatten(
-                [x if d is None else x[index] for x, d in zip(leaves, leaf_dims)], spec
-            )
-        )
-    return rows
-
-
-def _add_batch_axis(x: Any) -> Any:
-    return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
-
-
 def _per_layer(
     modules: dict[str, nn.Module],
-    records: dict[str, list[_Record]],
+    records: dict[str, list[LayerRecord]],
     params: dict[str, torch.Tensor],
     compute: Any,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(parameter name, value)`` from ``compute(layer, calls)`` for each hooked layer, over the
     differentiated parameters it owns."""
     for module_name, module in modules.items():
-        calls = _calls(module_name, records[module_name])
+        calls = layer_calls(module_name, records[module_name])
         if not calls:  # never called, or its output did not reach the loss: zero gradients
             continue
         with torch.no_grad():
@@ -510,20 +352,6 @@ def _per_layer(
             name = f"{module_name}.{param_name}" if module_name else param_name
             if name in params:
                 yield name, value
-
-
-def _calls(module_name: str, records: list[_Record]) -> list[LayerCall]:
-    for record in records:
-        versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
-        if versions != record.input_versions:
-            raise GhostUnsupported(
-                f"the input of layer {module_name!r} was modified in place after the layer read it"
-            )
-    return [
-        LayerCall(record.inputs, record.output_grad)
-        for record in records
-        if record.output_grad is not None
-    ]
 
 
 def _fill_zeros(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad._src.ghost import register
+from pergrad._src.capture.rules import register
 
 
 @dataclass

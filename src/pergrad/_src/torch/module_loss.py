@@ -29,9 +29,9 @@ class ModuleLoss:
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
-        # Parameter-name sets whose ghost run was checked against the batch gradient (see
-        # pergrad/_src/ghost/torch_ghost.py): later runs skip the weight gradients.
-        self.ghost_checked: set[frozenset[str]] = set()
+        # Layouts (capture/torch_checks.layout_key) whose first ghost run was checked (see
+        # strategies/ghost_torch.py): later runs skip the weight gradients and the checks.
+        self.ghost_checked: set[Any] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters (``requires_grad``), detached: they share storage with the
@@ -57,8 +57,8 @@ class ModuleLoss:
         inputs, targets = batched[: self.num_inputs], batched[self.num_inputs :]
         out = self.loss_fn(self.forward(params, inputs), *targets)
         if isinstance(out, tuple) and len(out) == 2:  # (loss, aux), for has_aux=True
-            return _as_scalar(out[0]), out[1]
-        return _as_scalar(out)
+            return as_scalar(out[0]), out[1]
+        return as_scalar(out)
 
     def forward(self, params: dict[str, torch.Tensor] | None, inputs: Sequence[Any]) -> Any:
         """The model's output on batched ``inputs``: with ``params`` in place of its own
@@ -80,7 +80,7 @@ def _is_one_leaf(x: Any) -> bool:
     return len(leaves) == 1 and leaves[0] is x
 
 
-def _as_scalar(loss: Any) -> Any:
+def as_scalar(loss: Any) -> Any:
     if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
         return loss.reshape(())  # a reduction="none" loss of the one example
     return loss

@@ -14,20 +14,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pergrad._src.api import _Call, _prepare, _rebuild_grads, _Spec, per_example_grads
-from pergrad._src.clipping import (
+from pergrad._src.core.api import per_example_grads
+from pergrad._src.core.call import Call, Spec, analyse_call, rebuild_grads
+from pergrad._src.dp.clipping import (
     ClippedSum,
-    _check_positive,
-    _factors,
-    _groups,
+    check_positive,
     check_private_settings,
+    clip_factors,
+    clip_groups,
     clipped_sum,
     noisy_mean,
 )
-from pergrad._src.errors import FallbackWarning, PergradTypeError, PergradValueError
-from pergrad._src.ghost import GhostUnsupported
-from pergrad._src.ghost.strategies import Reduction, WeightsFn, chunked, default_chunk_size
+from pergrad._src.errors import (
+    FallbackWarning,
+    GhostUnsupported,
+    PergradTypeError,
+    PergradValueError,
+)
 from pergrad._src.norms import per_example_norms
+from pergrad._src.strategies.chunked import Reduction, WeightsFn, chunked, default_chunk_size
 
 STRATEGIES = ("auto", "materialize", "chunked", "ghost")
 
@@ -115,7 +120,7 @@ def per_example_norms_of(
         return per_example_norms(grads, per_layer=per_layer)
     reduction = _reduce(spec, call, fn, choice, strategy, None)
     if per_layer:
-        return _rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
+        return rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
     return _global_norms(reduction.squared_norms)
 
 
@@ -164,7 +169,7 @@ def clipped_sum_of(
     func_name = "clipped_sum_of"
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group:
-        _check_positive(func_name, "max_norm", max_norm)
+        check_positive(func_name, "max_norm", max_norm)
     spec, call, choice = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
     if mask is not None:
         _check_mask(func_name, call, mask)
@@ -183,7 +188,7 @@ def clipped_sum_of(
 
     def weights_from(squared: list[Any]) -> Any:
         norms = group_norms(squared)
-        weights = [_factors(n, b) * _real(n, mask) for n, b in zip(norms, bounds)]
+        weights = [clip_factors(n, b) * _real(n, mask) for n, b in zip(norms, bounds)]
         # one array object per group: the strategies compute each group's sum once
         return weights[0] if ids is None else [weights[g] for g in ids]
 
@@ -195,7 +200,7 @@ def clipped_sum_of(
     # below the bound (float32, a bound not representable in it).
     clipped = sum((n > b) * 1.0 for n, b in zip(norms, bounds)).clip(max=1.0) * real
     return ClippedSum(
-        sum=_rebuild_grads(spec, call, reduction.weighted_sums),
+        sum=rebuild_grads(spec, call, reduction.weighted_sums),
         norms=norms[0] if ids is None else norms,
         clip_fraction=clipped.sum() / count.clip(min=1.0),
         sensitivity=sum(b * b for b in bounds) ** 0.5,
@@ -203,10 +208,10 @@ def clipped_sum_of(
     )
 
 
-def _group_ids(spec: _Spec, call: _Call, max_norm: Any) -> tuple[list[int], list[float]]:
+def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[float]]:
     """Each differentiated leaf's group and each group's bound, for per-group ``max_norm``."""
-    template = _rebuild_grads(spec, call, [call.leaves[i][j] for i, j in call.diff_positions])
-    ids, bounds = _groups(spec.func_name, call.backend, template, max_norm)
+    template = rebuild_grads(spec, call, [call.leaves[i][j] for i, j in call.diff_positions])
+    ids, bounds = clip_groups(spec.func_name, call.backend, template, max_norm)
     if len(ids) != len(call.diff_positions):
         raise PergradValueError(
             f"{spec.func_name}: cannot match the per-group max_norm to the differentiated "
@@ -297,21 +302,21 @@ def _setup(
     in_axes: Any,
     strategy: Any,
     chunk_size: Any,
-) -> tuple[_Spec, _Call, StrategyChoice]:
+) -> tuple[Spec, Call, StrategyChoice]:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PergradValueError(
             f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
         )
-    spec = _Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
-    call = _prepare(spec, args)
+    spec = Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
+    call = analyse_call(spec, args)
     if call.backend.name == "jax":
         return spec, call, _choose_jax(spec, call, args, strategy, chunk_size)
     return spec, call, _choose(spec, call, fn, args, strategy, chunk_size)
 
 
 def _choose(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     fn: Any,
     args: tuple[Any, ...],
     strategy: str,
@@ -362,9 +367,7 @@ def _choose(
     return StrategyChoice("chunked", why, chunk, layers, unsupported)
 
 
-def _materialize_choice(
-    call: _Call, strategy: str, chunk_size: int | None
-) -> StrategyChoice | None:
+def _materialize_choice(call: Call, strategy: str, chunk_size: int | None) -> StrategyChoice | None:
     """The choice for an empty batch or a requested "materialize"; else None."""
     if call.batch_size == 0:
         return StrategyChoice("materialize", "empty batch", chunk_size)
@@ -374,8 +377,8 @@ def _materialize_choice(
 
 
 def _choose_jax(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     args: tuple[Any, ...],
     strategy: str,
     chunk_size: int | None,
@@ -387,7 +390,7 @@ def _choose_jax(
         return early
     if strategy == "chunked":
         return StrategyChoice("chunked", "requested", chunk_size or default_chunk_size(call))
-    from pergrad._src.ghost import jax_ghost
+    from pergrad._src.strategies import ghost_jax as jax_ghost
 
     plan = jax_ghost.plan(spec, call)
     layers, materialized = jax_ghost.describe(plan, _leaf_names(spec, call, args))
@@ -419,7 +422,7 @@ def _choose_jax(
     return StrategyChoice("chunked", why, chunk, layers, materialized)
 
 
-def _leaf_names(spec: _Spec, call: _Call, args: tuple[Any, ...]) -> list[str]:
+def _leaf_names(spec: Spec, call: Call, args: tuple[Any, ...]) -> list[str]:
     """A readable name for each differentiated leaf: its path, after the argument's index when
     several arguments are differentiated."""
     paths = {i: call.backend.flatten(args[i])[0] for i in spec.argnums}
@@ -437,18 +440,18 @@ def _listing(reasons: dict[str, str]) -> str:
 
 
 def _torch_generic_limit() -> int:
-    from pergrad._src.ghost import torch_generic
+    from pergrad._src.capture import torch_generic
 
     return torch_generic.MAX_MATERIALIZED_NUMBERS
 
 
-def _ghost_plan(spec: _Spec, fn: Any, args: tuple[Any, ...]) -> Any:
+def _ghost_plan(spec: Spec, fn: Any, args: tuple[Any, ...]) -> Any:
     """The ghost plan of a ``module_loss`` (None for any other fn). Never imports torch: a
     ModuleLoss cannot exist unless its module has been imported."""
-    torch_module = sys.modules.get("pergrad._src.torch_module")
+    torch_module = sys.modules.get("pergrad._src.torch.module_loss")
     if torch_module is None or not isinstance(fn, torch_module.ModuleLoss):
         return None
-    from pergrad._src.ghost import torch_ghost
+    from pergrad._src.strategies import ghost_torch as torch_ghost
 
     if spec.argnums != (0,) or not spec.single_argnum:
         return torch_ghost.GhostPlan(
@@ -473,8 +476,8 @@ def _check_ghost_possible(name: str, fn: Any, plan: Any) -> None:
 
 
 def _reduce(
-    spec: _Spec,
-    call: _Call,
+    spec: Spec,
+    call: Call,
     fn: Any,
     choice: StrategyChoice,
     requested: str,
@@ -484,10 +487,10 @@ def _reduce(
     if choice.strategy == "ghost":
         try:
             if call.backend.name == "jax":
-                from pergrad._src.ghost import jax_ghost
+                from pergrad._src.strategies import ghost_jax as jax_ghost
 
                 return jax_ghost.ghost(spec, call, choice.plan, weights_from)
-            from pergrad._src.ghost.torch_ghost import ghost
+            from pergrad._src.strategies.ghost_torch import ghost
 
             return ghost(spec, call, fn, choice.layers, weights_from)
         except GhostUnsupported as err:
@@ -515,7 +518,7 @@ def _real(like: Any, mask: Any) -> Any:
     return like * 0 + 1.0 if mask is None else mask * 1.0
 
 
-def _check_mask(func_name: str, call: _Call, mask: Any) -> None:
+def _check_mask(func_name: str, call: Call, mask: Any) -> None:
     bk = call.backend
     if not bk.is_array(mask) or bk.shape(mask) != (call.batch_size,):
         got = f"shape {bk.shape(mask)}" if bk.is_array(mask) else type(mask).__name__

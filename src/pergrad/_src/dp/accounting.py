@@ -8,7 +8,7 @@
 
 One DP-SGD step is modelled as a sampled Gaussian mechanism: a batch is sampled from the
 dataset (Poisson sampling by default: each example independently with probability
-``sample_rate``, see :mod:`pergrad._src.sampling`), each example's gradient is clipped to norm
+``sample_rate``, see :mod:`pergrad._src.dp.sampling`), each example's gradient is clipped to norm
 ``C``, the clipped gradients are summed, and Gaussian noise of standard deviation
 ``noise_multiplier * C`` is added. ``steps`` such steps compose. No privacy math is written
 here: the DpEvent describing the run is handed to ``dp_accounting``'s RDP or PLD accountant.

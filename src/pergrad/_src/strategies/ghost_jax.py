@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from pergrad._src.api import _Call, _single_example_fn, _Spec
-from pergrad._src.ghost import GhostUnsupported
-from pergrad._src.ghost.strategies import Reduction, WeightsFn
+from pergrad._src.core.call import Call, Spec, single_example_fn
+from pergrad._src.errors import GhostUnsupported
+from pergrad._src.strategies.chunked import Reduction, WeightsFn
 
 # Ops that move a parameter's numbers around without mixing them: the gradient through them
 # has the same norm, and its transpose is cheap.
@@ -100,14 +100,14 @@ class JaxGhostPlan:
         return frozenset(s.path[:k] for s in self.sites.values() for k in range(1, len(s.path)))
 
 
-def plan(spec: _Spec, call: _Call) -> JaxGhostPlan:
+def plan(spec: Spec, call: Call) -> JaxGhostPlan:
     """Trace the loss of one example and find each differentiated leaf's contraction, if any."""
     diff = tuple(call.leaves[i][j] for i, j in call.diff_positions)
     example = tuple(
         jax.ShapeDtypeStruct(call.backend.shape(call.leaves[i][j])[1:], call.leaves[i][j].dtype)
         for i, j in call.batched_positions
     )
-    closed = jax.make_jaxpr(_single_example_fn(spec, call, {}))(diff, example)
+    closed = jax.make_jaxpr(single_example_fn(spec, call, {}))(diff, example)
     uses: dict[int, list[Site]] = {k: [] for k in range(len(diff))}
     other: dict[int, str] = {}
     tags = {var: (k, ()) for k, var in enumerate(closed.jaxpr.invars[: len(diff)])}
@@ -210,7 +210,7 @@ def _is_var(atom: Any) -> bool:
     return not isinstance(atom, jax_core.Literal)
 
 
-def materialized_numbers(ghost_plan: JaxGhostPlan, call: _Call) -> int:
+def materialized_numbers(ghost_plan: JaxGhostPlan, call: Call) -> int:
     """How many per-example gradient numbers the leaves without a site need: ``B x size``."""
     leaves = [call.leaves[i][j] for i, j in call.diff_positions]
     size = sum(math.prod(call.backend.shape(leaves[k])) for k in ghost_plan.other)
@@ -218,7 +218,7 @@ def materialized_numbers(ghost_plan: JaxGhostPlan, call: _Call) -> int:
 
 
 def ghost(
-    spec: _Spec, call: _Call, ghost_plan: JaxGhostPlan, weights_from: WeightsFn | None
+    spec: Spec, call: Call, ghost_plan: JaxGhostPlan, weights_from: WeightsFn | None
 ) -> Reduction:
     """Squared norms of every differentiated leaf (and, with ``weights_from``, the weighted sums)
     from one vectorised forward and backward pass; see the module docstring."""

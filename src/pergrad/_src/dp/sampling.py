@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 # sample_rate and steps mean the same here as in the accounting, and are checked the same way.
-from pergrad._src.accounting import check_count, check_real, check_sample_rate
+from pergrad._src.dp.accounting import check_count, check_real, check_sample_rate
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 # The torch-backed names live in torch_sampling.py and are loaded by __getattr__ below, so that
@@ -33,7 +33,7 @@ _TORCH_NAMES = ("PoissonBatchSampler", "collate_with_empty_batches")
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_NAMES:
-        from pergrad._src import torch_sampling
+        from pergrad._src.torch import sampling as torch_sampling
 
         return getattr(torch_sampling, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,17 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.clipping import ClippedSum, _check_positive, add_noise, check_noise_multiplier
-from pergrad._src.dp_distributed import (
+from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
+from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
+from pergrad._src.errors import PergradTypeError
+from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
     check_same_across_ranks,
     is_noise_rank,
     process_group_of,
 )
-from pergrad._src.errors import PergradTypeError
-from pergrad._src.ghost.api import choose_strategy, clipped_sum_of
-from pergrad._src.torch_module import module_loss
+from pergrad._src.torch.module_loss import module_loss
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,10 @@ class DPOptimizer:
                 f"DPOptimizer: optimizer must be a torch.optim.Optimizer; got "
                 f"{type(optimizer).__name__}."
             )
-        _check_positive("DPOptimizer", "max_norm", max_norm)
+        check_positive("DPOptimizer", "max_norm", max_norm)
         check_noise_multiplier("DPOptimizer", noise_multiplier)
         if expected_batch_size is not None:
-            _check_positive("DPOptimizer", "expected_batch_size", expected_batch_size)
+            check_positive("DPOptimizer", "expected_batch_size", expected_batch_size)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise PergradTypeError(
                 "DPOptimizer: model is wrapped in torch.nn.parallel.DistributedDataParallel; "

@@ -30,8 +30,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pergrad._src.ghost import GhostUnsupported, rule_for
-from pergrad._src.ghost.torch_checks import rows_match
+from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.torch_checks import rows_match
+from pergrad._src.errors import GhostUnsupported
 
 # "auto" takes the ghost strategy only if the generic layers' per-example gradients stay under
 # this many numbers (B x their size; 128 MB in float32), as for the JAX ghost strategy.

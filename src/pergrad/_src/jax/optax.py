@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pergrad._src.clipping import _check_positive, check_noise_multiplier, private_mean
+from pergrad._src.dp.clipping import check_noise_multiplier, check_positive, private_mean
 from pergrad._src.errors import PergradTypeError
-from pergrad._src.sharding import check_axis_name
+from pergrad._src.jax.sharding import check_axis_name
 
 
 class PrivateAggregateState(NamedTuple):
@@ -68,9 +68,9 @@ def optax_aggregate(
         )
     check_noise_multiplier("optax_aggregate", noise_multiplier)
     if expected_batch_size is not None:
-        _check_positive("optax_aggregate", "expected_batch_size", expected_batch_size)
+        check_positive("optax_aggregate", "expected_batch_size", expected_batch_size)
     if isinstance(max_norm, (int, float)):
-        _check_positive("optax_aggregate", "max_norm", max_norm)
+        check_positive("optax_aggregate", "max_norm", max_norm)
     check_axis_name("optax_aggregate", axis_name)
 
     def init(params: Any) -> PrivateAggregateState:

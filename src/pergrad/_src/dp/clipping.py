@@ -12,36 +12,15 @@ a pytree prefix of the gradients (per-layer / per-group clipping: ``{"encoder": 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.dp.types import ClippedSum
 from pergrad._src.errors import PergradValueError
-from pergrad._src.norms import _flat_leaves
+from pergrad._src.norms import flat_leaves
 
 
-class ClippedSum(NamedTuple):
-    """The sum over examples of clipped per-example gradients, and what clipping did.
-
-    A named tuple, so it passes through ``jax.jit`` and the frameworks' pytree utilities.
-
-    Attributes:
-      sum: pytree like one example's gradient (no batch axis).
-      norms: ``(B,)`` each example's gradient norm before clipping (flat clipping), or a list of
-        ``(B,)`` norms, one per group (per-layer clipping).
-      clip_fraction: share of (real, unmasked) examples whose gradient was scaled down, a 0-d
-        array (per group: the share clipped in any group).
-      sensitivity: how far one example can move ``sum``: the bound, or sqrt(Σ bounds²).
-      count: number of real examples summed (a 0-d array; B without a mask).
-    """
-
-    sum: Any
-    norms: Any
-    clip_fraction: Any
-    sensitivity: float
-    count: Any
-
-
-def _check_positive(func_name: str, name: str, value: Any) -> float:
+def check_positive(func_name: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise PergradValueError(f"{func_name}: {name} must be a positive number; got {value!r}.")
     return float(value)
@@ -59,13 +38,13 @@ def check_noise_multiplier(func_name: str, noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
-def _groups(
+def clip_groups(
     func_name: str, bk: Backend, grads: Any, max_norm: Any
 ) -> tuple[list[int], list[float]]:
     """Each leaf's group index and each group's bound, from a number or a pytree prefix."""
     _, leaves, _ = bk.flatten(grads)
     if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool):
-        return [0] * len(leaves), [_check_positive(func_name, "max_norm", max_norm)]
+        return [0] * len(leaves), [check_positive(func_name, "max_norm", max_norm)]
     _, bounds, bounds_def = bk.flatten(max_norm)
     ids = bk.broadcast_prefix(bk.unflatten(bounds_def, list(range(len(bounds)))), grads)
     if ids is None or not bounds:
@@ -74,10 +53,10 @@ def _groups(
             f"prefix of the gradients with one positive bound per group (per-layer "
             f"clipping); got {max_norm!r}, which does not match the gradients' structure."
         )
-    return ids, [_check_positive(func_name, "each max_norm bound", b) for b in bounds]
+    return ids, [check_positive(func_name, "each max_norm bound", b) for b in bounds]
 
 
-def _factors(norms: Any, bound: float) -> Any:
+def clip_factors(norms: Any, bound: float) -> Any:
     """min(1, bound / norm), written so that a zero norm gives 1 without a division by zero."""
     return bound / norms.clip(min=bound)
 
@@ -101,9 +80,9 @@ def clip(grads: Any, max_norm: Any) -> Any:
       A new pytree like ``grads``. This keeps a clipped copy of every per-example gradient;
       for DP-SGD, :func:`clipped_sum` gives the sum without it.
     """
-    bk, _, flat, treedef, batch_size = _flat_leaves("clip", grads)
-    ids, bounds = _groups("clip", bk, grads, max_norm)
-    factors = [_factors(n, b) for n, b in zip(_group_norms(flat, ids, len(bounds)), bounds)]
+    bk, _, flat, treedef, batch_size = flat_leaves("clip", grads)
+    ids, bounds = clip_groups("clip", bk, grads, max_norm)
+    factors = [clip_factors(n, b) for n, b in zip(_group_norms(flat, ids, len(bounds)), bounds)]
     _, leaves, _ = bk.flatten(grads)
     clipped = [
         (f_leaf * factors[g].reshape(batch_size, *([1] * (len(bk.shape(f_leaf)) - 1))))
@@ -135,15 +114,15 @@ def clipped_sum(
       A :class:`ClippedSum`.
     """
     if axis_name is not None:
-        from pergrad._src.sharding import check_axis_name, psum_clipped
+        from pergrad._src.jax.sharding import check_axis_name, psum_clipped
 
         check_axis_name("clipped_sum", axis_name)
         local = clipped_sum(grads, max_norm, mask)
         return psum_clipped(local, axis_name, func_name="clipped_sum")
-    bk, _, flat, treedef, batch_size = _flat_leaves("clipped_sum", grads)
-    ids, bounds = _groups("clipped_sum", bk, grads, max_norm)
+    bk, _, flat, treedef, batch_size = flat_leaves("clipped_sum", grads)
+    ids, bounds = clip_groups("clipped_sum", bk, grads, max_norm)
     group_norms = _group_norms(flat, ids, len(bounds))
-    factors = [_factors(n, b) for n, b in zip(group_norms, bounds)]
+    factors = [clip_factors(n, b) for n, b in zip(group_norms, bounds)]
     real = factors[0] * 0 + 1.0 if mask is None else _check_mask(bk, mask, batch_size)
     weights = [f * real for f in factors]
     _, leaves, _ = bk.flatten(grads)
@@ -229,7 +208,7 @@ def private_mean(
 def check_private_settings(func_name: str, noise_multiplier: Any, expected_batch_size: Any) -> None:
     check_noise_multiplier(func_name, noise_multiplier)
     if expected_batch_size is not None:
-        _check_positive(func_name, "expected_batch_size", expected_batch_size)
+        check_positive(func_name, "expected_batch_size", expected_batch_size)
 
 
 def noisy_mean(

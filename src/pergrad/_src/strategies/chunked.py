@@ -21,9 +21,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pergrad._src.api import _Call, _loop, _single_example_fn, _Spec, vmap_failure
 from pergrad._src.backends import Backend
+from pergrad._src.core.call import Call, Spec, single_example_fn
 from pergrad._src.errors import FallbackWarning
+from pergrad._src.strategies.loop import loop
+from pergrad._src.strategies.vmap import vmap_failure
 
 # Default chunk: as many examples as keep chunk_size x P under this many gradient numbers
 # (128 MB in float32): big enough that per-chunk overhead vanishes, small next to B x P.
@@ -56,17 +58,17 @@ class Reduction(NamedTuple):
     weighted_sums: list[Any] | None
 
 
-def default_chunk_size(call: _Call) -> int:
+def default_chunk_size(call: Call) -> int:
     """Examples per chunk when the user gives none: ``B`` for small models."""
     bk = call.backend
     num_params = sum(math.prod(bk.shape(call.leaves[i][j])) for i, j in call.diff_positions)
     return max(1, min(call.batch_size, _DEFAULT_CHUNK_NUMBERS // max(num_params, 1)))
 
 
-def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn | None) -> Reduction:
+def chunked(spec: Spec, call: Call, chunk_size: int, weights_from: WeightsFn | None) -> Reduction:
     """Squared norms chunk by chunk, then (if ``weights_from``) one weighted batch gradient."""
     bk = call.backend
-    single = _single_example_fn(spec, call, {})
+    single = single_example_fn(spec, call, {})
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     # inside shard_map: per-device parameters, so each sum stays on its device (see the backend)
     diff = bk.match_varying(tuple(call.leaves[i][j] for i, j in call.diff_positions), batched)
@@ -90,7 +92,7 @@ def chunked(spec: _Spec, call: _Call, chunk_size: int, weights_from: WeightsFn |
     return Reduction(squared, sums)
 
 
-def _warn_loop(spec: _Spec, bk: Backend, cause: str, what: str) -> None:
+def _warn_loop(spec: Spec, bk: Backend, cause: str, what: str) -> None:
     warnings.warn(
         f"{spec.func_name}: {bk.name} could not vectorise {what} ({cause}). Falling back to "
         f"one example at a time: the same result, but slower.",
@@ -100,7 +102,7 @@ def _warn_loop(spec: _Spec, bk: Backend, cause: str, what: str) -> None:
 
 
 def _vectorised_squared_norms(
-    spec: _Spec,
+    spec: Spec,
     bk: Backend,
     single: Callable[..., Any],
     diff: tuple[Any, ...],
@@ -119,14 +121,14 @@ def _vectorised_squared_norms(
     except Exception as err:
         cause = vmap_failure(bk, err)
         # If one example fails on its own, the problem is in fn and its own error is clearest.
-        _loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
+        loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
         _warn_loop(spec, bk, cause, "fn")
         spec.resolved = "loop"
         return None
 
 
 def _weighted_gradient(
-    spec: _Spec,
+    spec: Spec,
     bk: Backend,
     single: Callable[..., Any],
     diff: tuple[Any, ...],
@@ -155,7 +157,7 @@ def _weighted_gradient(
 
 
 def _looped(
-    spec: _Spec,
+    spec: Spec,
     bk: Backend,
     single: Callable[..., Any],
     diff: tuple[Any, ...],
@@ -168,7 +170,7 @@ def _looped(
 
     def grads_of(index: int) -> tuple[Any, ...]:
         example = tuple(v[index : index + 1] for v in batched)
-        [(_, grads)] = _loop(spec, bk, single, diff, example, 1, stacked=False)
+        [(_, grads)] = loop(spec, bk, single, diff, example, 1, stacked=False)
         return grads
 
     per_example = [[(g**2).sum() for g in grads_of(i)] for i in range(batch_size)]

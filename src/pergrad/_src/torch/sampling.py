@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
-from pergrad._src.accounting import check_count, check_sample_rate
+from pergrad._src.dp.accounting import check_count, check_sample_rate
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 

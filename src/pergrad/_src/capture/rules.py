@@ -1,27 +1,11 @@
-"""Per-example gradient norms and clipped sums without materialising per-example gradients.
+"""The registry of PyTorch layer rules: how the capture engine is taught a layer family.
 
-Storing ``B x P`` per-example gradients is what makes DP-SGD and gradient-norm diagnostics
-expensive, yet most users need only each example's norm, or the sum of the clipped gradients.
-This package computes those directly, with one of three strategies (``api.py`` chooses):
-
-- ``"materialize"``: :func:`pergrad.per_example_grads`, then reduce. The reference.
-- ``"chunked"`` (``strategies.py``, any backend): per-example gradients of a few examples at a
-  time, reduced to squared norms at once; the clipped sum is then ONE batch gradient of the
-  weighted loss ``sum_i c_i * loss_i`` (Lee & Kifer 2021), so only ``chunk_size x P`` numbers
-  are ever live.
-- ``"ghost"`` (``torch_ghost.py``, PyTorch models through :func:`pergrad.module_loss`): one
-  forward pass over the whole batch with hooks that keep each layer's input and output gradient;
-  each layer's per-example norms then follow from those (the "ghost norm" of Goodfellow 2015 and
-  Li et al. 2021) without forming the gradients; the clipped sum from the same records, each
-  example's output gradient scaled by its clip factor (no second backward pass).
-- ``"ghost"`` (``jax_ghost.py``, any JAX loss): the loss of one example is traced to a jaxpr;
-  parameters that enter through one contraction (dense, convolution, embedding lookup) get
-  their norms from the contraction's input and output cotangent, and their clipped sum from one
-  transpose of the contraction over the batch.
-
-This module holds the registry of PyTorch layer rules for the ghost strategy: one small function per
-layer family (``torch_layers.py``), registered under the layer types it handles, as Opacus's
-``grad_sample`` does. Adding a layer family means writing one function and decorating it.
+A rule turns one layer's captured calls (its inputs and output gradients over one batched pass,
+``LayerCall`` records) into per-example quantities of the layer's own parameters: squared
+norms, per-example gradients, and sums weighted per example. One small function per family
+(``torch_layers.py``), registered under the layer types it handles, as Opacus's
+``grad_sample`` does; the strategies ask :func:`rule_for`, never ``isinstance``. Adding a
+layer family means writing its functions in ``torch_layers.py`` and decorating them.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ class LayerRule:
     Attributes:
       name: the family, as reported by :func:`pergrad.norms.choose_strategy` (``"linear"``).
       squared_norms: ``squared_norms(layer, calls) -> {param_name: (B,)}``, ``calls`` being the
-        layer's :class:`~pergrad._src.ghost.torch_layers.LayerCall` records of one forward pass.
+        layer's :class:`~pergrad._src.capture.torch_layers.LayerCall` records of one forward pass.
       problem: ``problem(layer) -> str | None``: why this instance is not covered (an Embedding
         with ``max_norm``, say), or None.
       per_example: ``per_example(layer, calls) -> {param_name: (B, *param_shape)}``, the
@@ -70,10 +54,6 @@ class LayerRule:
 # Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
 # import (Hugging Face's Conv1D): importing transformers to register a rule would cost seconds.
 _RULES: dict[type | str, LayerRule] = {}
-
-
-class GhostUnsupported(Exception):
-    """This call cannot take the ghost strategy (of either framework); the message says why."""
 
 
 def _no_problem(layer: Any) -> None:

@@ -1,0 +1,1 @@
+"""Differential privacy without a framework of its own: clipping, noise, accounting (dp-accounting), Poisson sampling. The framework integrations (DPOptimizer, optax) live in ``torch/`` and ``jax/``."""

@@ -1,0 +1,23 @@
+"""Strategies: the ways pergrad computes per-example quantities, one module each.
+
+Per-example gradients (:func:`pergrad.per_example_grads`, ``strategy=``):
+
+- ``vmap.py`` (``"vmap"``): the framework's ``vmap(value_and_grad(loss of one example))``.
+- ``hooks_torch.py`` (``"hooks"``, PyTorch ``module_loss``): one batched pass with layer hooks
+  (``capture/``), per-example gradients from the layer rules, checked.
+- ``loop.py`` (``"loop"``): one example at a time with plain autodiff.
+
+Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,
+:func:`pergrad.dp.clipped_sum_of`, ``strategy=``), each returning a ``Reduction``:
+
+- ``ghost_torch.py`` (``"ghost"``, PyTorch ``module_loss``): norms and weighted sums from the
+  captured layer inputs and output gradients, without forming per-example gradients.
+- ``ghost_jax.py`` (``"ghost"``, any JAX loss): the same from the contractions of the traced
+  loss of one example.
+- ``chunked.py`` (``"chunked"``, both frameworks): per-example gradients a chunk at a time,
+  reduced at once; the clipped sum as one weighted batch gradient.
+- ``"materialize"``: :func:`pergrad.per_example_grads`, then reduce (in ``core/reductions.py``).
+
+Every strategy receives the analysed call (``core/call.py``: ``Spec``, ``Call``,
+``single_example_fn``); ``core/api.py`` and ``core/reductions.py`` choose among them.
+"""

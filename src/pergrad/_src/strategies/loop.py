@@ -1,0 +1,73 @@
+"""The ``"loop"`` strategy: one example at a time, with the framework's plain autodiff."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from pergrad._src.backends import (
+    Backend,
+)
+from pergrad._src.core.call import Spec
+from pergrad._src.errors import (
+    FallbackWarning,
+    PergradValueError,
+)
+
+
+def loop(
+    spec: Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+    stacked: bool = True,
+) -> Any:
+    """Per-example gradients one example at a time, with the framework's plain autodiff.
+
+    Randomness follows ``spec.randomness`` as the vectorised path would: "same" replays one
+    random state for every example; "error" (the default) refuses a loss that draws.
+    """
+    value_and_grad = bk.loop_value_and_grad(single, spec.has_aux)
+    start_state = bk.rng_state()
+    outs = []
+    for i in range(batch_size):
+        if spec.randomness == "same":
+            bk.set_rng_state(start_state)
+        outs.append(value_and_grad(diff_values, tuple(bk.take(v, i) for v in batched_values)))
+        if spec.randomness in (None, "error") and bk.rng_state_changed(start_state):
+            raise PergradValueError(
+                f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "
+                f"randomness='different' for independent randomness per example, "
+                f"randomness='same' for one draw shared by the batch, or switch it off "
+                f"(model.eval())."
+            )
+    if not stacked:
+        return outs
+    _, _, treedef = bk.flatten(outs[0])
+    per_example = [bk.flatten(out)[1] for out in outs]
+    return bk.unflatten(treedef, [bk.stack(column) for column in zip(*per_example)])
+
+
+def fall_back_to_loop(
+    spec: Spec,
+    bk: Backend,
+    single: Callable[..., Any],
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+    cause: str,
+) -> Any:
+    # If one example fails on its own, the problem is in fn and its own error is the clearest.
+    loop(spec, bk, single, diff_values, batched_values, 1, stacked=False)
+    warnings.warn(
+        f"{spec.func_name}: {cause}. Falling back to strategy 'loop', one example at a time: "
+        f"the same result, but slower. Later calls of this function use the loop directly.",
+        FallbackWarning,
+        stacklevel=5,
+    )
+    spec.resolved = "loop"
+    spec.last_strategy = "loop"
+    return loop(spec, bk, single, diff_values, batched_values, batch_size)
