@@ -45,6 +45,17 @@ _LAZY = {
     "broadcast_parameters": "pergrad._src.torch.distributed",
     "PoissonBatchSampler": "pergrad._src.torch.sampling",
     "collate_with_empty_batches": "pergrad._src.torch.sampling",
+    "epsilon_lower_bound": "pergrad._src.dp.audit",
+    "epsilon_lower_bound_ceiling": "pergrad._src.dp.audit",
+    "epsilon_lower_bound_clopper_pearson": "pergrad._src.dp.audit",
+    "guess_grid": "pergrad._src.dp.audit",
+    "one_run_p_value": "pergrad._src.dp.audit",
+    "tpr_at_fpr": "pergrad._src.dp.audit",
+    "auroc": "pergrad._src.dp.audit",
+    "GradientCanaries": "pergrad._src.dp.canaries",
+    "InputCanaries": "pergrad._src.dp.canaries",
+    "AuditReport": "pergrad._src.dp.canaries",
+    "audit": "pergrad._src.dp.canaries",
 }
 
 __all__ = [

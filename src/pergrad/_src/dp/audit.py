@@ -1,0 +1,535 @@
+"""Empirical privacy auditing: lower bounds on epsilon from the scores of canaries.
+
+    bound = epsilon_lower_bound(in_scores, out_scores, delta=1e-5)   # one training run
+    if bound > claimed_epsilon: ...                                  # the implementation leaks
+
+A *canary* is an example (or a gradient) that the auditor may insert into training. An attack
+gives each canary a *score*, higher when it looks included. ``in_scores`` are the scores of
+the canaries that were included, ``out_scores`` of those that were not. If training is
+``(epsilon, delta)``-DP, no attack can tell the two groups apart too well, and each function
+here turns "too well" into a statistical statement, at a chosen ``significance``: with
+probability at least ``1 - significance`` over the training randomness, the returned number is
+below the true epsilon. A bound above the accountant's epsilon therefore says (at that
+confidence) that the implementation is broken; a bound below it proves nothing about
+correctness (the attack may be weak).
+
+* :func:`epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023, "Privacy
+  Auditing with One (1) Training Run", Theorem 3 with its delta term). ``m`` canaries, each
+  included by an independent fair coin, one training run.
+* :func:`epsilon_lower_bound_clopper_pearson`: the classic audit over many runs (Jagielski et
+  al. 2020, Nasr et al. 2021): one target, included in some runs and excluded from others, one
+  score per run; Clopper-Pearson intervals on the true- and false-positive rates.
+* :func:`tpr_at_fpr` and :func:`auroc`: point estimates that describe an attack; they are
+  not bounds on epsilon.
+
+Everything here is numpy and scipy (``scipy.stats`` for binomial tails and beta quantiles,
+imported when a function is called). Scores may be numpy arrays, lists, or JAX / torch arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pergrad._src.dp.accounting import check_count, check_real
+from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.norms import scores_to_numpy
+
+# The default guesses, as fractions f of the m canaries: ceil(f * m) "included" guesses on the
+# highest scores and as many "excluded" guesses on the lowest (two-sided), plus a few
+# "included"-only choices for attacks that separate only the top. Few choices on purpose: the
+# bound is taken at significance / (number of choices), and when delta > 0 the theorem's delta
+# term grows with that number (the bound's ceiling is about ln(significance / (2 delta G)) for
+# G choices and all canaries guessed): 9 choices keep it near 5 for delta 1e-5, where
+# every pair of a 14 x 14 grid (195 choices) would cap it near 2.7.
+_TWO_SIDED_FRACTIONS = (0.45, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02)
+_ONE_SIDED_FRACTIONS = (0.1, 0.02)
+
+# The bisection on epsilon stops at this width; results are reproducible to about this.
+_EPSILON_TOLERANCE = 1e-9
+
+
+def _scipy_stats() -> Any:
+    try:
+        import scipy.stats
+    except ImportError as err:
+        raise ImportError(
+            "pergrad's privacy auditing needs scipy, which is not installed. Install it with: "
+            "pip install 'pergrad[dp]'"
+        ) from err
+    return scipy.stats
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def score_array(fn: str, name: str, scores: Any) -> np.ndarray:
+    """A 1-D float64 numpy copy of ``scores`` (numpy, list, JAX or torch), checked."""
+    if isinstance(scores, (list, tuple)) or np.isscalar(scores):
+        values = np.asarray(scores)
+    elif isinstance(scores, np.ndarray):
+        values = scores
+    else:
+        values = scores_to_numpy(fn, scores, name)
+    if values.dtype.kind not in "biuf":
+        raise PergradTypeError(
+            f"{fn}: {name} must be real numbers (one score per canary); got an array of "
+            f"dtype {values.dtype}."
+        )
+    if values.ndim != 1:
+        raise PergradValueError(
+            f"{fn}: {name} must be 1-D, one score per canary; got shape {values.shape}."
+        )
+    if values.size == 0:
+        raise PergradValueError(
+            f"{fn}: {name} is empty; the audit needs at least one included and one excluded canary."
+        )
+    values = values.astype(np.float64)
+    if np.isnan(values).any():
+        raise PergradValueError(
+            f"{fn}: {name} contains nan at index {int(np.flatnonzero(np.isnan(values))[0])}; "
+            "scores must be comparable (replace a failed score by -inf, 'looks excluded')."
+        )
+    return values
+
+
+def _significance(fn: str, significance: Any) -> float:
+    value = check_real(fn, "significance", significance)
+    if not 0.0 < value < 1.0:
+        raise PergradValueError(
+            f"{fn}: significance must be in (0, 1) (the probability that the bound is wrong, "
+            f"e.g. 0.05), got {significance!r}."
+        )
+    return value
+
+
+def _delta(fn: str, delta: Any) -> float:
+    value = check_real(fn, "delta", delta)
+    if not 0.0 <= value < 1.0:
+        raise PergradValueError(
+            f"{fn}: delta must be in [0, 1) (the delta of the (epsilon, delta) claim being "
+            f"audited), got {delta!r}."
+        )
+    return value
+
+
+def _guesses(fn: str, guesses: Any, num_canaries: int) -> list[tuple[int, int]]:
+    """The list of ``(num_in_guesses, num_out_guesses)`` pairs to try, checked."""
+    if guesses is None:
+        return guess_grid(num_canaries)
+    expected = (
+        "a pair (num_in_guesses, num_out_guesses) of ints, or a list of such pairs, or None "
+        "for the default grid"
+    )
+    if not isinstance(guesses, Sequence) or isinstance(guesses, str) or not guesses:
+        raise PergradTypeError(f"{fn}: guesses must be {expected}; got {guesses!r}.")
+    pairs = [guesses] if isinstance(guesses[0], numbers.Integral) else list(guesses)
+    checked = []
+    for pair in pairs:
+        if (
+            not isinstance(pair, Sequence)
+            or len(pair) != 2
+            or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in pair)
+        ):
+            raise PergradTypeError(f"{fn}: guesses must be {expected}; got {pair!r} in it.")
+        num_in, num_out = int(pair[0]), int(pair[1])
+        if num_in < 0 or num_out < 0 or num_in + num_out == 0 or num_in + num_out > num_canaries:
+            raise PergradValueError(
+                f"{fn}: each guesses pair must have counts >= 0 with 1 <= num_in_guesses + "
+                f"num_out_guesses <= {num_canaries} (the number of canaries); got {pair!r}."
+            )
+        checked.append((num_in, num_out))
+    return checked
+
+
+# --- the one-run audit ------------------------------------------------------------------
+
+
+def guess_grid(num_canaries: int) -> list[tuple[int, int]]:
+    """The default choices of guesses that :func:`epsilon_lower_bound` searches over.
+
+    Each pair ``(num_in_guesses, num_out_guesses)`` means: guess "included" for the
+    ``num_in_guesses`` highest scores, "excluded" for the ``num_out_guesses`` lowest, abstain
+    on the rest. The grid has ``(k, k)`` for ``k = ceil(f * m)``, ``f`` in 0.45, 0.4, 0.3,
+    0.2, 0.1, 0.05, 0.02 (the top fraction is below 1/2 so that the fair coins, which include
+    about half of the canaries give or take ``sqrt(m) / 2``, leave every guess of it
+    possibly right), and ``(ceil(f * m), 0)`` for ``f`` in 0.1, 0.02 (attacks that only
+    recognise the most exposed included canaries); duplicates are dropped. It depends on ``m``
+    alone, never on the scores: that is what makes the Bonferroni correction over its length
+    valid.
+
+    Example::
+
+        guess_grid(1000)   # [(20, 0), (20, 20), (50, 50), (100, 0), (100, 100), ..., (450, 450)]
+    """
+    num_canaries = check_count("guess_grid", "num_canaries", num_canaries, minimum=1)
+    pairs = {(math.ceil(f * num_canaries),) * 2 for f in _TWO_SIDED_FRACTIONS}
+    pairs.update((math.ceil(f * num_canaries), 0) for f in _ONE_SIDED_FRACTIONS)
+    return sorted(pair for pair in pairs if sum(pair) <= num_canaries)
+
+
+def _binomial_pmf_prefix(num_guesses: int, num_correct: int, q: float) -> np.ndarray:
+    """P[Bin(r, q) = j] for j = 0 .. v - 1."""
+    return _scipy_stats().binom.pmf(np.arange(num_correct), num_guesses, q)
+
+
+def one_run_p_value(
+    num_canaries: int, num_guesses: int, num_correct: int, epsilon: float, delta: float
+) -> float:
+    """The p-value of ``num_correct`` right guesses out of ``num_guesses`` under (eps, delta)-DP.
+
+    Theorem 3 of Steinke, Nasr & Jagielski (2023): if training is ``(epsilon, delta)``-DP and
+    each of the ``m`` canaries is included by an independent fair coin, the number ``W`` of
+    right guesses among ``r`` guesses satisfies, for every ``v``,
+
+        P[W >= v] <= f(v) + 2 m delta max_{1 <= i <= v} (f(v - i) - f(v)) / i,
+        f(v) = P[Bin(r, q) >= v],  q = e^epsilon / (1 + e^epsilon).
+
+    (The maximum over ``i > v`` is never larger: ``f`` is 1 there and ``i`` grows.) The
+    differences ``f(v - i) - f(v)`` are summed from the binomial's mass function rather than
+    subtracted, so they stay accurate when both tails are close to 1.
+
+    Args:
+      num_canaries: ``m``, an int >= 1.
+      num_guesses: ``r``, an int in ``[0, m]``.
+      num_correct: ``v``, an int in ``[0, r]``.
+      epsilon: the claim's epsilon, a real number.
+      delta: the claim's delta, in ``[0, 1)``.
+
+    Returns:
+      the right-hand side, capped at 1.
+    """
+    fn = "one_run_p_value"
+    num_canaries = check_count(fn, "num_canaries", num_canaries, minimum=1)
+    num_guesses = check_count(fn, "num_guesses", num_guesses, minimum=0)
+    num_correct = check_count(fn, "num_correct", num_correct, minimum=0)
+    if not num_correct <= num_guesses <= num_canaries:
+        raise PergradValueError(
+            f"{fn}: need num_correct <= num_guesses <= num_canaries; got {num_correct}, "
+            f"{num_guesses}, {num_canaries}."
+        )
+    epsilon = check_real(fn, "epsilon", epsilon)
+    return _p_value(num_canaries, num_guesses, num_correct, epsilon, _delta(fn, delta))
+
+
+def _p_value(
+    num_canaries: int, num_guesses: int, num_correct: int, epsilon: float, delta: float
+) -> float:
+    """:func:`one_run_p_value` without the checks, for the searches."""
+    if num_correct <= 0:
+        return 1.0
+    q = 1.0 / (1.0 + math.exp(-epsilon)) if epsilon > -700 else 0.0
+    tail = float(_scipy_stats().binom.sf(num_correct - 1, num_guesses, q))
+    if delta == 0.0:
+        return min(tail, 1.0)
+    below = _binomial_pmf_prefix(num_guesses, num_correct, q)[::-1]  # j = v-1, v-2, ..., 0
+    worst = float(np.max(np.cumsum(below) / np.arange(1, num_correct + 1)))
+    return min(tail + 2.0 * num_canaries * delta * worst, 1.0)
+
+
+def _largest_rejected_epsilon(
+    num_canaries: int,
+    num_guesses: int,
+    num_correct: int,
+    significance: float,
+    delta: float,
+    at_least: float = 0.0,
+) -> float:
+    """The largest epsilon whose p-value is at most ``significance``, or ``at_least`` when no
+    epsilon above ``at_least`` is rejected.
+
+    Any epsilon with a small p-value is a sound bound (a mechanism that is (eps', delta)-DP is
+    (eps, delta)-DP for every eps >= eps', so the largest rejected value is sound even if the
+    p-value were not monotone in epsilon). The binomial tail grows with epsilon; the delta
+    term can shrink, but for ``2 m delta <= 1`` more slowly than the tail grows, so there is
+    one crossing and bisection finds it. (With several crossings it would find one of them:
+    a smaller bound, still sound.)
+    """
+
+    def rejected(epsilon: float) -> bool:
+        return _p_value(num_canaries, num_guesses, num_correct, epsilon, delta) <= significance
+
+    # The delta-free p-value is smaller, so if it does not reject, nothing above does either.
+    if _p_value(num_canaries, num_guesses, num_correct, at_least, 0.0) > significance:
+        return at_least
+    if not rejected(at_least):
+        return at_least
+    low, high = at_least, max(1.0, 2.0 * at_least)
+    while rejected(high):
+        low, high = high, 2.0 * high
+    while high - low > _EPSILON_TOLERANCE * max(1.0, low):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if rejected(middle) else (low, middle)
+    return low
+
+
+def _labels_in_score_order(in_scores: np.ndarray, out_scores: np.ndarray) -> np.ndarray:
+    """1 for included, 0 for excluded canaries, in increasing order of score.
+
+    Ties are broken against the auditor: among equal scores, excluded canaries rank higher
+    (so "included" guesses on the top pick them first) and included canaries lower (so
+    "excluded" guesses on the bottom pick them first). Any tie-break that does not look at
+    membership (a fair one) gets at least as many guesses right, so the count stays sound.
+    """
+    scores = np.concatenate([in_scores, out_scores])
+    labels = np.concatenate([np.ones(in_scores.size, int), np.zeros(out_scores.size, int)])
+    order = np.lexsort((-labels, scores))  # by score; among ties, included first
+    return labels[order]
+
+
+def _correct_counts(
+    in_scores: np.ndarray, out_scores: np.ndarray, pairs: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """``(num_guesses, num_correct)`` for each ``(num_in_guesses, num_out_guesses)`` pair."""
+    labels = _labels_in_score_order(in_scores, out_scores)
+    included_in_top = np.concatenate([[0], np.cumsum(labels[::-1])])  # [k]: among the top k
+    included_in_bottom = np.concatenate([[0], np.cumsum(labels)])  # [k]: among the bottom k
+    return [
+        (
+            num_in + num_out,
+            int(included_in_top[num_in]) + num_out - int(included_in_bottom[num_out]),
+        )
+        for num_in, num_out in pairs
+    ]
+
+
+def epsilon_lower_bound(
+    in_scores: Any,
+    out_scores: Any,
+    delta: float,
+    significance: float = 0.05,
+    *,
+    guesses: Any = None,
+) -> float:
+    """A lower bound on epsilon from one training run with canaries (Steinke et al. 2023).
+
+    Example (1000 canaries, half of them included by fair coins)::
+
+        bound = epsilon_lower_bound(in_scores, out_scores, delta=1e-5)
+        # in_scores: (num_included,), out_scores: (num_excluded,); higher = "looks included"
+
+    The audit: guess "included" for the highest scores, "excluded" for the lowest, abstain on
+    the rest; from ``r`` guesses of which ``v`` are right, the bound is the largest epsilon
+    whose p-value (Theorem 3 of the paper, delta term included; :func:`one_run_p_value`) is at
+    most ``significance``. With probability at least ``1 - significance``, the bound is at most
+    the true epsilon of any ``(epsilon, delta)`` guarantee that the training satisfies.
+
+    How many to guess: with ``guesses=None`` the bound is the largest over the pairs of
+    :func:`guess_grid` (9 pairs for 1000 canaries), each at ``significance / len(grid)``
+    (a Bonferroni correction: the largest of many bounds is sound only if each is taken at a
+    smaller significance). Pass ``guesses=(num_in, num_out)`` to use one choice made before
+    seeing the scores (no correction: more power if the choice is good), or a list of pairs
+    to search those (corrected by their number).
+
+    Assumptions (the theorem's): each canary was included or excluded by an independent fair
+    coin drawn before training and not otherwise used; the scores are computed from the
+    training's output only (the final model, or every released intermediate model for a
+    white-box audit), never from the coins; ``delta`` is the delta of the claim. Ties between
+    scores are broken against the auditor, so they never help it.
+
+    Ceiling: with ``r`` guesses, all right, the bound is at most
+    ``ln(q / (1 - q))`` with ``q = (significance / len(grid)) ** (1 / r)``; to audit a claim
+    of epsilon you need enough canaries to lift this above it
+    (:func:`epsilon_lower_bound_ceiling`).
+
+    Args:
+      in_scores: 1-D scores of the included canaries (numpy, list, JAX or torch), no nan.
+      out_scores: 1-D scores of the excluded canaries.
+      delta: the delta of the ``(epsilon, delta)`` claim, in ``[0, 1)``.
+      significance: the probability, over the training run, that the bound is wrong; in
+        ``(0, 1)``.
+      guesses: None (the default grid), ``(num_in_guesses, num_out_guesses)``, or a list of
+        such pairs; each with ``1 <= num_in + num_out <= len(in_scores) + len(out_scores)``.
+
+    Returns:
+      the bound, a float ``>= 0`` (0 when the guesses beat no epsilon at this significance).
+
+    Raises:
+      ValueError, TypeError: a bad argument; the message names it.
+      ImportError: scipy is not installed.
+    """
+    fn = "epsilon_lower_bound"
+    in_values = score_array(fn, "in_scores", in_scores)
+    out_values = score_array(fn, "out_scores", out_scores)
+    delta = _delta(fn, delta)
+    significance = _significance(fn, significance)
+    num_canaries = in_values.size + out_values.size
+    pairs = _guesses(fn, guesses, num_canaries)
+    corrected = significance / len(pairs)
+    counts = _correct_counts(in_values, out_values, pairs)
+    # Most precise first, so that later pairs are mostly ruled out by the cheap delta-free test.
+    counts.sort(key=lambda count: -(count[1] + 1) / (count[0] + 2))
+    best = 0.0
+    for num_guesses, num_correct in counts:
+        best = _largest_rejected_epsilon(
+            num_canaries, num_guesses, num_correct, corrected, delta, at_least=best
+        )
+    return best
+
+
+def epsilon_lower_bound_ceiling(
+    num_canaries: int,
+    delta: float = 0.0,
+    significance: float = 0.05,
+    *,
+    guesses: Any = None,
+) -> float:
+    """The largest value :func:`epsilon_lower_bound` can return for ``num_canaries`` canaries.
+
+    It is the bound when every guess is right, at the same Bonferroni-corrected significance,
+    for the best of the guess sets (with ``delta > 0`` the largest set is not always the best). An audit with fewer canaries cannot refute a claim
+    above it, however badly the training leaks: size ``num_canaries`` so that the ceiling is
+    well above the claimed epsilon. (Reaching the largest guess set also needs the coins to
+    include at least as many canaries as it guesses "included": 45% of them for the default
+    grid's largest set.) With ``delta > 0`` the ceiling stops growing with the number of
+    canaries, and eventually falls: the theorem's delta term grows with ``m``.
+
+    Example::
+
+        epsilon_lower_bound_ceiling(1000, delta=1e-5)   # about 5.2
+        epsilon_lower_bound_ceiling(100, delta=1e-5)    # about 2.8
+    """
+    fn = "epsilon_lower_bound_ceiling"
+    num_canaries = check_count(fn, "num_canaries", num_canaries, minimum=1)
+    delta = _delta(fn, delta)
+    significance = _significance(fn, significance)
+    pairs = _guesses(fn, guesses, num_canaries)
+    corrected = significance / len(pairs)
+    best = 0.0
+    for num_guesses in sorted({num_in + num_out for num_in, num_out in pairs}, reverse=True):
+        best = _largest_rejected_epsilon(
+            num_canaries, num_guesses, num_guesses, corrected, delta, at_least=best
+        )
+    return best
+
+
+# --- many runs, one target ----------------------------------------------------------------
+
+
+def _clopper_pearson_upper(successes: np.ndarray, trials: int, alpha: float) -> np.ndarray:
+    """One-sided upper confidence bounds on binomial proportions, each failing w.p. <= alpha."""
+    beta = _scipy_stats().beta
+    upper = beta.ppf(1.0 - alpha, successes + 1, np.maximum(trials - successes, 1))
+    return np.where(successes < trials, upper, 1.0)
+
+
+def epsilon_lower_bound_clopper_pearson(
+    in_scores: Any,
+    out_scores: Any,
+    delta: float = 0.0,
+    significance: float = 0.05,
+    *,
+    threshold: float | None = None,
+) -> float:
+    """A lower bound on epsilon from many runs: one target, Clopper-Pearson rates.
+
+    Example (200 runs with the target, 200 without; one score per run)::
+
+        bound = epsilon_lower_bound_clopper_pearson(scores_with, scores_without, delta=1e-5)
+
+    The attack guesses "included" when a run's score is ``>= threshold``. ``(epsilon,
+    delta)``-DP requires ``TPR <= e^eps FPR + delta`` and ``TNR <= e^eps FNR + delta``. With
+    probability ``1 - significance`` the true FNR and FPR are below their one-sided
+    Clopper-Pearson upper bounds (``significance / 2`` each), and then
+
+        epsilon >= max(ln((1 - FNR_up - delta) / FPR_up), ln((1 - FPR_up - delta) / FNR_up)).
+
+    This is the bound of Jagielski et al. (2020) and of TensorFlow Privacy's
+    ``EpsilonLowerBound`` (Clopper-Pearson method) and jax-privacy's
+    ``epsilon_clopper_pearson``.
+
+    Assumptions: the runs are independent, each with the target included or excluded
+    (``in_scores`` from the runs that included it); the rates are those of one fixed
+    threshold. With ``threshold=None`` every observed score (and +inf) is tried and each
+    is taken at ``significance / number of thresholds`` (Bonferroni), as jax-privacy does;
+    strictly, those thresholds are chosen from the data, so for a bound without that caveat
+    fix ``threshold`` in advance (e.g. from other runs). It costs one training run per score:
+    hundreds of runs for a useful bound, which is what the one-run audit avoids.
+
+    Args:
+      in_scores: 1-D scores of the runs that included the target (no nan).
+      out_scores: 1-D scores of the runs that excluded it.
+      delta: the delta of the claim, in ``[0, 1)``.
+      significance: in ``(0, 1)``.
+      threshold: a score threshold fixed in advance, or None to search (see above).
+
+    Returns:
+      the bound, a float ``>= 0``.
+    """
+    fn = "epsilon_lower_bound_clopper_pearson"
+    in_values = score_array(fn, "in_scores", in_scores)
+    out_values = score_array(fn, "out_scores", out_scores)
+    delta = _delta(fn, delta)
+    significance = _significance(fn, significance)
+    if threshold is None:
+        thresholds = np.append(np.unique(np.concatenate([in_values, out_values])), np.inf)
+    else:
+        thresholds = np.array([check_real(fn, "threshold", threshold)])
+    alpha = significance / thresholds.size / 2.0
+    in_sorted, out_sorted = np.sort(in_values), np.sort(out_values)
+    false_negatives = np.searchsorted(in_sorted, thresholds, side="left")  # in below threshold
+    false_positives = out_values.size - np.searchsorted(out_sorted, thresholds, side="left")
+    fnr_upper = _clopper_pearson_upper(false_negatives, in_values.size, alpha)
+    fpr_upper = _clopper_pearson_upper(false_positives, out_values.size, alpha)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bounds = np.concatenate(
+            [
+                np.log(np.maximum(1.0 - fnr_upper - delta, 0.0) / fpr_upper),
+                np.log(np.maximum(1.0 - fpr_upper - delta, 0.0) / fnr_upper),
+            ]
+        )
+    return float(max(0.0, np.nanmax(bounds)))
+
+
+# --- descriptive statistics -------------------------------------------------------------
+
+
+def tpr_at_fpr(in_scores: Any, out_scores: Any, fpr: float) -> float:
+    """The attack's best true-positive rate among thresholds whose false-positive rate <= fpr.
+
+    Example::
+
+        tpr_at_fpr(in_scores, out_scores, 0.01)   # share of included canaries caught at 1% FPR
+
+    The attack guesses "included" for scores ``>= t``; over every threshold ``t`` (each
+    observed score and +inf) with at most ``fpr * len(out_scores)`` excluded canaries above it,
+    the largest share of included canaries above it. A point estimate of how well the attack
+    separates the two groups (Carlini et al. 2022's "TPR at low FPR"), with no confidence
+    statement; no randomisation between thresholds. It is not a bound on epsilon.
+    """
+    fn = "tpr_at_fpr"
+    in_values = score_array(fn, "in_scores", in_scores)
+    out_values = score_array(fn, "out_scores", out_scores)
+    fpr = check_real(fn, "fpr", fpr)
+    if not 0.0 <= fpr <= 1.0:
+        raise PergradValueError(f"{fn}: fpr must be in [0, 1], got {fpr!r}.")
+    thresholds = np.append(np.unique(np.concatenate([in_values, out_values])), np.inf)
+    false_positives = out_values.size - np.searchsorted(np.sort(out_values), thresholds, "left")
+    true_positives = in_values.size - np.searchsorted(np.sort(in_values), thresholds, "left")
+    allowed = false_positives <= fpr * out_values.size * (1 + 1e-12)
+    return float(true_positives[allowed].max() / in_values.size)
+
+
+def auroc(in_scores: Any, out_scores: Any) -> float:
+    """The area under the attack's ROC curve: P[in score > out score] + P[tie] / 2.
+
+    Example::
+
+        auroc([3.0, 2.0], [1.0, 2.0])   # 0.875: 0.5 is chance, 1.0 perfect separation
+
+    The Mann-Whitney statistic over every (included, excluded) pair, from average ranks. A
+    threshold-free summary of the attack, with no confidence statement; not a bound on
+    epsilon (an attack can have a high AUROC against a mechanism with a large epsilon and
+    still show nothing at the low false-positive rates that matter for privacy).
+    """
+    fn = "auroc"
+    in_values = score_array(fn, "in_scores", in_scores)
+    out_values = score_array(fn, "out_scores", out_scores)
+    ranks = _scipy_stats().rankdata(np.concatenate([in_values, out_values]))
+    rank_sum = ranks[: in_values.size].sum()
+    pairs_won = rank_sum - in_values.size * (in_values.size + 1) / 2.0
+    return float(pairs_won / (in_values.size * out_values.size))
