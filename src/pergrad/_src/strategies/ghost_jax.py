@@ -428,9 +428,11 @@ def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
         jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     ):
         # FILL_OR_DROP reads the fill value; PROMISE_IN_BOUNDS reads a clamped row, but the
-        # gradient's scatter-add (same mode) drops out-of-range updates: no row either way
+        # gradient's scatter-add (same mode) drops out-of-range updates: no row either way.
+        # Selected, not multiplied: the cotangent of a dropped position may be inf or nan
+        # (a zero fill row under a norm or a sqrt), which the scatter drops but 0 * nan is not
         valid = (ids >= 0) & (ids < rows)
-        d = d * valid[:, :, None].astype(d.dtype)
+        d = jnp.where(valid[:, :, None], d, 0)
     else:
         ids = jnp.clip(ids, 0, rows - 1)
     same = (ids[:, :, None] == ids[:, None, :]).astype(d.dtype)
