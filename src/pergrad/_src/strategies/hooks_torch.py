@@ -51,10 +51,10 @@ from pergrad._src.capture import torch_checks
 from pergrad._src.capture.rules import rule_for
 from pergrad._src.capture.torch_engine import (
     capturing,
+    layer_calls,
     model_and_loss_arguments,
     per_example_losses,
 )
-from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import GhostUnsupported, PergradValueError
 from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
@@ -383,15 +383,10 @@ def _gather(
     """``(module_name, attribute) -> (B, *shape)`` from each layer's rule."""
     result = {}
     for module_name, module in modules.items():
-        for record in records[module_name]:
-            versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
-            if versions != record.input_versions:
-                raise HooksUnsupported(
-                    f"the input of layer {module_name!r} was modified in place after the "
-                    f"layer read it"
-                )
-        calls = [LayerCall(r.inputs, r.output_grad) for r in records[module_name]]
-        calls = [c for c in calls if c.output_grad is not None]
+        try:
+            calls = layer_calls(module_name, records[module_name])
+        except GhostUnsupported as err:  # an input changed in place after the layer read it
+            raise HooksUnsupported(str(err)) from err
         if not calls:  # never called, or its output did not reach the loss
             continue
         with torch.no_grad():
