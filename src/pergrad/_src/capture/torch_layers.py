@@ -57,15 +57,25 @@ def outer_product_squared_norms(
       give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large language models can be strong
       differentially private learners"); otherwise forming ``a^T d`` (``p x q`` per example and
       group, this layer only) is cheaper.
+
+    The Gram route is computed in float64 whatever the inputs' dtype. Its sum
+    ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` cancels wherever the per-position gradients
+    ``a_t d_t^T`` nearly cancel, and its rounding error is ``eps (sum_t |a_t| |d_t|)^2``: in
+    float32 (or TF32 on a GPU) a gradient a thousand times smaller than that sum came out 30%
+    too small or negative, which lets a clipped example exceed the bound. In float64 the same
+    error is ~1e-10 of it; forming ``a^T d`` errs only by ``eps |a| |d|``, like the
+    materialised per-example gradients.
     """
     positions, width_in = activations.shape[-2:]
     width_out = output_grads.shape[-1]
     if positions == 1:
         return ((activations**2).sum(-1) * (output_grads**2).sum(-1)).sum((1, 2))
-    if positions * positions <= width_in * width_out:
-        gram_in = activations @ activations.transpose(-1, -2)
-        gram_out = output_grads @ output_grads.transpose(-1, -2)
-        return (gram_in * gram_out).sum((1, 2, 3))
+    # MPS has no float64: there the gradient is formed
+    if positions * positions <= width_in * width_out and activations.device.type != "mps":
+        wide_in, wide_out = activations.double(), output_grads.double()
+        gram_in = wide_in @ wide_in.transpose(-1, -2)
+        gram_out = wide_out @ wide_out.transpose(-1, -2)
+        return (gram_in * gram_out).sum((1, 2, 3)).to(activations.dtype)
     per_example = activations.transpose(-1, -2) @ output_grads
     return (per_example**2).sum((1, 2, 3))
 

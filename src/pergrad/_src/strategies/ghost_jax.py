@@ -164,6 +164,9 @@ def _keeps_values(eqn: Any) -> bool:
     return all(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in (eqn.invars[0], eqn.outvars[0]))
 
 
+_EXACT = jax.lax.Precision.HIGHEST  # no TF32 / bfloat16 passes for the norms on a GPU or TPU
+
+
 def _wide(x: Any) -> Any:
     """``x`` in at least float32 (integers and float16/bfloat16 included): squares and Gram
     matrices of activations overflow float16 and wrap in integer dtypes."""
@@ -399,16 +402,25 @@ def _dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] 
 
 
 def _dense_squared_norms(a: Any, d: Any) -> Any:
-    """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``."""
+    """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``.
+
+    Gram matrices (``T x T``, cheaper than the ``K x F`` gradient when ``T (K + F) <= K F``)
+    are used only in float64, that is with ``jax_enable_x64`` on: their sum
+    ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` rounds with an error of ``eps (sum_t |a_t| |d_t|)^2``,
+    and in float32 (TF32 on a GPU by default) a gradient whose positions nearly cancel came out
+    30% too small or negative, which lets a clipped example exceed the bound. Otherwise the
+    gradient is formed, with the rounding of the materialised per-example gradients.
+    """
     _, positions, k = a.shape
     f = d.shape[2]
     if positions == 1:
         return (a[:, 0] ** 2).sum(axis=1) * (d[:, 0] ** 2).sum(axis=1)
-    if positions * (k + f) <= k * f:  # Gram matrices T x T are cheaper than the K x F gradient
-        gram_a = jnp.einsum("btk,bsk->bts", a, a)
-        gram_d = jnp.einsum("btf,bsf->bts", d, d)
-        return (gram_a * gram_d).sum(axis=(1, 2))
-    formed = jnp.einsum("btk,btf->bkf", a, d)
+    if positions * (k + f) <= k * f and jax.config.jax_enable_x64:
+        wide_a, wide_d = a.astype(jnp.float64), d.astype(jnp.float64)
+        gram_a = jnp.einsum("btk,bsk->bts", wide_a, wide_a, precision=_EXACT)
+        gram_d = jnp.einsum("btf,bsf->bts", wide_d, wide_d, precision=_EXACT)
+        return (gram_a * gram_d).sum(axis=(1, 2)).astype(a.dtype)
+    formed = jnp.einsum("btk,btf->bkf", a, d, precision=_EXACT)
     return (formed**2).sum(axis=(1, 2))
 
 
@@ -435,8 +447,22 @@ def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
         d = jnp.where(valid[:, :, None], d, 0)
     else:
         ids = jnp.clip(ids, 0, rows - 1)
-    same = (ids[:, :, None] == ids[:, None, :]).astype(d.dtype)
-    return (same * jnp.einsum("btr,bsr->bts", d, d)).sum(axis=(1, 2))
+    # The cotangents of the positions that read the same row of one example are summed (sorted
+    # by (example, row), one segment per distinct pair), then squared: no Gram matrix
+    # sum_{t,s} [id_t = id_s] dz_t . dz_s, whose rounding can exceed the norm when they cancel.
+    positions = ids.shape[1]
+    example = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape).reshape(-1)
+    ids = ids.reshape(-1)
+    order = jnp.lexsort((ids, example))
+    ids, example = ids[order], example[order]
+    starts = jnp.concatenate(
+        [jnp.ones(1, bool), (ids[1:] != ids[:-1]) | (example[1:] != example[:-1])]
+    )
+    segment = jnp.cumsum(starts) - 1
+    count = batch * positions
+    sums = jax.ops.segment_sum(d.reshape(count, -1)[order], segment, num_segments=count)
+    owner = jnp.zeros(count, example.dtype).at[segment].set(example)
+    return jax.ops.segment_sum((sums**2).sum(axis=1), owner, num_segments=batch)
 
 
 def describe(ghost_plan: JaxGhostPlan, names: Sequence[str]) -> tuple[dict[str, str], dict]:
