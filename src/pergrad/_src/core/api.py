@@ -16,8 +16,6 @@ as constants instead of confusing the transforms.
 from __future__ import annotations
 
 import functools
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,13 +27,8 @@ from pergrad._src.core.call import (
     rebuild_grads,
     single_example_fn,
 )
-from pergrad._src.errors import (
-    FallbackWarning,
-    PergradValueError,
-    is_pergrad_error,
-)
-from pergrad._src.strategies.loop import fall_back_to_loop, loop
-from pergrad._src.strategies.vmap import CallContext, vectorised, vmap_failure
+from pergrad._src.strategies import registry
+from pergrad._src.strategies.protocol import GradsRequest
 
 
 def per_example_grads(
@@ -174,101 +167,7 @@ def _run(
     batched_values: tuple[Any, ...],
     batch_size: int,
 ) -> Any:
-    """``(value, grad leaves)`` by the requested strategy, or the one "auto" settled on."""
-    bk = call.backend
-    strategy = spec.resolved or spec.strategy
-    if strategy == "loop":
-        spec.last_strategy = "loop"
-        return loop(spec, bk, single, diff_values, batched_values, batch_size)
-    if strategy == "hooks":
-        out, why_not = _hooks(spec, call, single, diff_values, batched_values, batch_size)
-        if out is not None:
-            return out
-        if spec.strategy == "hooks":
-            raise PergradValueError(
-                f"{spec.func_name}: strategy='hooks' cannot handle this call: {why_not}. Use "
-                f"strategy='auto' (which falls back to a loop by itself) or 'loop'."
-            )
-        return fall_back_to_loop(
-            spec,
-            bk,
-            single,
-            diff_values,
-            batched_values,
-            batch_size,
-            f"layer hooks cannot take this call ({why_not})",
-        )
-    try:
-        out = vectorised(spec, bk)(diff_values, batched_values, CallContext(call, kwargs))
-    except Exception as err:
-        cause = vmap_failure(bk, err)
-        if spec.strategy == "vmap":
-            raise PergradValueError(
-                f"{spec.func_name}: strategy='vmap': {bk.name} could not vectorise fn "
-                f"({cause}). Use strategy='auto', which then takes layer hooks or a loop."
-            ) from err
-        failed = err
-    else:
-        spec.last_strategy = "vmap"
-        if spec.returns_losses:
-            return out
-        return ((None, out[0]), out[1]) if spec.has_aux else (None, out)
-    cause = f"{bk.name} could not vectorise fn ({vmap_failure(bk, failed)})"
-    out, why_not = _hooks(spec, call, single, diff_values, batched_values, batch_size)
-    if out is not None:
-        warnings.warn(
-            f"{spec.func_name}: {cause}. Took strategy 'hooks' instead: per-example gradients "
-            f"from layer hooks over one forward and backward pass of the batch, checked "
-            f"against the batch gradient. Later calls of this function use it directly.",
-            FallbackWarning,
-            stacklevel=4,
-        )
-        spec.resolved = "hooks"
-        return out
-    return fall_back_to_loop(
-        spec,
-        bk,
-        single,
-        diff_values,
-        batched_values,
-        batch_size,
-        f"{cause}; layer hooks cannot take it either ({why_not})",
-    )
-
-
-def _hooks(
-    spec: Spec,
-    call: Call,
-    single: Callable[..., Any],
-    diff_values: tuple[Any, ...],
-    batched_values: tuple[Any, ...],
-    batch_size: int,
-) -> tuple[Any, str | None]:
-    """``(out, None)`` by the hooks strategy, or ``(None, why not)``. Never imports torch: a
-    ``module_loss`` cannot exist unless its module has been imported."""
-    torch_module = sys.modules.get("pergrad._src.torch.module_loss")
-    if torch_module is None or not isinstance(spec.fn, torch_module.ModuleLoss):
-        return None, (
-            f"layer hooks need a PyTorch loss made with pergrad.module_loss(model, loss_fn); "
-            f"fn is a {type(spec.fn).__name__} on {call.backend.name}"
-        )
-    from pergrad._src.strategies import hooks_torch as torch_hooks
-
-    params = call.backend.unflatten(call.treedefs[0], call.leaves[0])
-    plan = torch_hooks.plan(spec, spec.fn, params)
-    try:
-        if plan.unsupported:
-            raise torch_hooks.HooksUnsupported(torch_hooks.listing(plan.unsupported))
-        losses, grads = torch_hooks.value_and_grads(
-            spec, call, plan, single, diff_values, batched_values, batch_size
-        )
-    except torch_hooks.HooksUnsupported as err:
-        return None, str(err)
-    except Exception as err:
-        if is_pergrad_error(err) or spec.strategy == "hooks":
-            raise
-        # The batch through the model failed (a model written for one example): under "auto"
-        # that is a reason to loop, which checks that one example runs on its own.
-        return None, f"the batched pass failed: {vmap_failure(call.backend, err)}"
-    spec.last_strategy = "hooks"
-    return (losses, tuple(grads)), None
+    """``(value, grad leaves)`` by the requested strategy, or the one "auto" settles on
+    (``strategies/registry.py``: vmap, then layer hooks, then a loop)."""
+    request = GradsRequest(spec, call, kwargs, single, diff_values, batched_values, batch_size)
+    return registry.execute("grads", request, spec.strategy)

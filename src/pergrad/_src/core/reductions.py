@@ -3,15 +3,12 @@
 They take the loss of ONE example and the batch, as :func:`pergrad.per_example_grads` does, and
 return what :func:`pergrad.norms.per_example_norms` and :func:`pergrad.dp.clipped_sum` would
 return on its per-example gradients, without keeping those ``B x P`` numbers. The strategy is
-chosen here (see the package docstring for what each does); ``choose_strategy`` shows the choice.
+chosen and run by ``strategies/registry.py``; ``choose_strategy`` shows its choice.
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pergrad._src.core.api import per_example_grads
@@ -26,47 +23,14 @@ from pergrad._src.dp.clipping import (
     noisy_mean,
 )
 from pergrad._src.errors import (
-    FallbackWarning,
-    GhostUnsupported,
     PergradTypeError,
     PergradValueError,
 )
 from pergrad._src.norms import per_example_norms
-from pergrad._src.strategies.chunked import Reduction, WeightsFn, chunked, default_chunk_size
+from pergrad._src.strategies import registry
+from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
 
 STRATEGIES = ("auto", "materialize", "chunked", "ghost")
-
-
-@dataclass(frozen=True)
-class StrategyChoice:
-    """How a call of :func:`per_example_norms_of` / :func:`clipped_sum_of` will be computed.
-
-    Attributes:
-      strategy: ``"ghost"``, ``"chunked"`` or ``"materialize"`` (never ``"auto"``).
-      reason: why, in words.
-      chunk_size: examples per chunk for ``"chunked"`` (the default is chosen from the number of
-        parameters: ``chunk_size x P`` stays under 2**25 numbers); what was passed for
-        ``"materialize"``; None for ``"ghost"``.
-      layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
-        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter;
-        ``"generic"`` for a layer without a rule, run alone (``torch_generic.py``). For a
-        JAX loss, parameter path -> ``"dense"`` or ``"conv"``, the contraction it enters.
-      unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
-        parameter path -> why its per-example gradients are formed (the ghost strategy still
-        runs; these parameters get ordinary per-example gradients in the same pass).
-      plan: the analysis the ghost strategy runs from (internal).
-
-    A ghost run can still meet something only visible while running (a layer that does not get
-    the batch on axis 0, an input changed in place); ``"auto"`` then takes the chunked strategy
-    and says so with a :class:`pergrad.FallbackWarning`.
-    """
-
-    strategy: str
-    reason: str
-    chunk_size: int | None = None
-    layers: dict[str, str] = field(default_factory=dict)
-    unsupported: dict[str, str] = field(default_factory=dict)
-    plan: Any = field(default=None, repr=False, compare=False)
 
 
 def per_example_norms_of(
@@ -114,11 +78,12 @@ def per_example_norms_of(
             f"per_example_norms_of: per_layer must be True or False; got {per_layer!r}."
         )
     func_name = "per_example_norms_of"
-    spec, call, choice = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
-    if choice.strategy == "materialize":
-        grads = per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
+    request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
+    spec, call = request.spec, request.call
+    if chosen.strategy == "materialize":
+        grads = registry.execute("reduce", request, strategy, chosen)
         return per_example_norms(grads, per_layer=per_layer)
-    reduction = _reduce(spec, call, fn, choice, strategy, None)
+    reduction = registry.execute("reduce", request, strategy, chosen)
     if per_layer:
         return rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
     return _global_norms(reduction.squared_norms)
@@ -170,11 +135,12 @@ def clipped_sum_of(
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group:
         check_positive(func_name, "max_norm", max_norm)
-    spec, call, choice = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
+    request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
+    spec, call = request.spec, request.call
     if mask is not None:
         _check_mask(func_name, call, mask)
-    if choice.strategy == "materialize":
-        grads = per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
+    if chosen.strategy == "materialize":
+        grads = registry.execute("reduce", request, strategy, chosen)
         return clipped_sum(grads, max_norm, mask=mask)
     ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [float(max_norm)])
 
@@ -192,7 +158,8 @@ def clipped_sum_of(
         # one array object per group: the strategies compute each group's sum once
         return weights[0] if ids is None else [weights[g] for g in ids]
 
-    reduction = _reduce(spec, call, fn, choice, strategy, weights_from)
+    request.weights_from = weights_from
+    reduction = registry.execute("reduce", request, strategy, chosen)
     norms = group_norms(reduction.squared_norms)
     real = _real(norms[0], mask)
     count = real.sum()
@@ -290,8 +257,9 @@ def choose_strategy(
         # StrategyChoice(strategy='ghost', reason='every differentiated parameter ...',
         #                layers={'fc1': 'linear', 'fc2': 'linear'}, ...)
     """
-    _, _, choice = _setup("choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size)
-    return choice
+    _, chosen = _setup("choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size)
+    assert chosen.choice is not None  # every "reduce" strategy reports its choice
+    return chosen.choice
 
 
 def _setup(
@@ -302,211 +270,21 @@ def _setup(
     in_axes: Any,
     strategy: Any,
     chunk_size: Any,
-) -> tuple[Spec, Call, StrategyChoice]:
+) -> tuple[ReduceRequest, Assessment]:
+    """The analysed call and the registry's choice for it (``strategies/registry.py``)."""
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PergradValueError(
             f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
         )
     spec = Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
     call = analyse_call(spec, args)
-    if call.backend.name == "jax":
-        return spec, call, _choose_jax(spec, call, args, strategy, chunk_size)
-    return spec, call, _choose(spec, call, fn, args, strategy, chunk_size)
 
+    def materialize() -> Any:
+        return per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
 
-def _choose(
-    spec: Spec,
-    call: Call,
-    fn: Any,
-    args: tuple[Any, ...],
-    strategy: str,
-    chunk_size: int | None,
-) -> StrategyChoice:
-    name = spec.func_name
-    plan = _ghost_plan(spec, fn, args)
-    unsupported = dict(plan.unsupported) if plan is not None else {}
-    if strategy == "ghost":
-        _check_ghost_possible(name, fn, plan)
-    early = _materialize_choice(call, strategy, chunk_size)
-    if early is not None:
-        return early
-    generic_numbers = call.batch_size * plan.generic_size if plan is not None else 0
-    small_generic = generic_numbers <= _torch_generic_limit()
-    if strategy == "ghost" or (
-        strategy == "auto" and plan is not None and not unsupported and small_generic
-    ):
-        why = (
-            "requested"
-            if strategy == "ghost"
-            else "every differentiated parameter belongs to a layer with a ghost rule"
-            + (
-                f" (layers without one, run alone: {generic_numbers:,} per-example numbers)"
-                if generic_numbers
-                else ""
-            )
-        )
-        return StrategyChoice("ghost", why, None, dict(plan.layers))
-    chunk = chunk_size or default_chunk_size(call)
-    if strategy == "chunked":
-        why = "requested"
-    elif plan is not None and not unsupported:
-        why = (
-            f"the layers without a ghost rule would need {generic_numbers:,} per-example "
-            f"numbers (more than {_torch_generic_limit():,})"
-        )
-    elif plan is None:
-        why = (
-            f"the ghost strategy needs a PyTorch pergrad.module_loss; fn is a "
-            f"{type(fn).__name__} on {call.backend.name}"
-        )
-    else:
-        why = "layers without a ghost rule: " + "; ".join(
-            f"{layer!r}: {problem}" for layer, problem in unsupported.items()
-        )
-    layers = dict(plan.layers) if plan is not None else {}
-    return StrategyChoice("chunked", why, chunk, layers, unsupported)
-
-
-def _materialize_choice(call: Call, strategy: str, chunk_size: int | None) -> StrategyChoice | None:
-    """The choice for an empty batch or a requested "materialize"; else None."""
-    if call.batch_size == 0:
-        return StrategyChoice("materialize", "empty batch", chunk_size)
-    if strategy == "materialize":
-        return StrategyChoice("materialize", "requested", chunk_size)
-    return None
-
-
-def _choose_jax(
-    spec: Spec,
-    call: Call,
-    args: tuple[Any, ...],
-    strategy: str,
-    chunk_size: int | None,
-) -> StrategyChoice:
-    """JAX: ghost when parameters enter through contractions and the rest stay small."""
-    name = spec.func_name
-    early = _materialize_choice(call, strategy, chunk_size)
-    if early is not None:
-        return early
-    if strategy == "chunked":
-        return StrategyChoice("chunked", "requested", chunk_size or default_chunk_size(call))
-    from pergrad._src.strategies import ghost_jax as jax_ghost
-
-    plan = jax_ghost.plan(spec, call)
-    layers, materialized = jax_ghost.describe(plan, _leaf_names(spec, call, args))
-    numbers = jax_ghost.materialized_numbers(plan, call)
-    if strategy == "ghost":
-        if not plan.sites:
-            raise PergradValueError(
-                f"{name}: strategy='ghost' found no parameter that enters the loss through a "
-                f"contraction (a dense layer, a convolution or an embedding lookup), so there "
-                f"is nothing to compute without per-example gradients "
-                f"({_listing(materialized)}). Use "
-                f"strategy='chunked', or 'auto', which picks it for such losses."
-            )
-        return StrategyChoice("ghost", "requested", None, layers, materialized, plan)
-    if plan.sites and numbers <= jax_ghost.MAX_MATERIALIZED_NUMBERS:
-        why = (
-            "every differentiated parameter enters the loss through a contraction"
-            if not materialized
-            else f"the parameters outside contractions need only {numbers:,} per-example numbers"
-        )
-        return StrategyChoice("ghost", why, None, layers, materialized, plan)
-    why = (
-        "no differentiated parameter enters the loss through a contraction"
-        if not plan.sites
-        else f"the parameters outside contractions would need {numbers:,} per-example numbers "
-        f"(more than {jax_ghost.MAX_MATERIALIZED_NUMBERS:,}): {_listing(materialized)}"
-    )
-    chunk = chunk_size or default_chunk_size(call)
-    return StrategyChoice("chunked", why, chunk, layers, materialized)
-
-
-def _leaf_names(spec: Spec, call: Call, args: tuple[Any, ...]) -> list[str]:
-    """A readable name for each differentiated leaf: its path, after the argument's index when
-    several arguments are differentiated."""
-    paths = {i: call.backend.flatten(args[i])[0] for i in spec.argnums}
-    names = []
-    for i, j in call.diff_positions:
-        path = paths[i][j] or "(the whole argument)"
-        names.append(path if spec.single_argnum else f"argument {i} {path}")
-    return names
-
-
-def _listing(reasons: dict[str, str]) -> str:
-    items = list(reasons.items())
-    text = "; ".join(f"{name}: {why}" for name, why in items[:4])
-    return text + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
-
-
-def _torch_generic_limit() -> int:
-    from pergrad._src.capture import torch_generic
-
-    return torch_generic.MAX_MATERIALIZED_NUMBERS
-
-
-def _ghost_plan(spec: Spec, fn: Any, args: tuple[Any, ...]) -> Any:
-    """The ghost plan of a ``module_loss`` (None for any other fn). Never imports torch: a
-    ModuleLoss cannot exist unless its module has been imported."""
-    torch_module = sys.modules.get("pergrad._src.torch.module_loss")
-    if torch_module is None or not isinstance(fn, torch_module.ModuleLoss):
-        return None
-    from pergrad._src.strategies import ghost_torch as torch_ghost
-
-    if spec.argnums != (0,) or not spec.single_argnum:
-        return torch_ghost.GhostPlan(
-            unsupported={"argnums": "the ghost strategy differentiates the parameters only"}
-        )
-    return torch_ghost.plan(fn, args[0])
-
-
-def _check_ghost_possible(name: str, fn: Any, plan: Any) -> None:
-    if plan is None:
-        raise PergradValueError(
-            f"{name}: strategy='ghost' needs a PyTorch loss made with "
-            f"pergrad.module_loss(model, loss_fn), whose layers it can hook; got a "
-            f"{type(fn).__name__}. Use strategy='chunked' (any loss, either framework) or 'auto'."
-        )
-    if plan.unsupported:
-        listing = "; ".join(f"{k!r}: {v}" for k, v in plan.unsupported.items())
-        raise PergradValueError(
-            f"{name}: strategy='ghost' cannot handle this model ({listing}). Use "
-            f"strategy='chunked', or 'auto', which picks it for such models."
-        )
-
-
-def _reduce(
-    spec: Spec,
-    call: Call,
-    fn: Any,
-    choice: StrategyChoice,
-    requested: str,
-    weights_from: WeightsFn | None,
-) -> Reduction:
-    chunk_size = choice.chunk_size
-    if choice.strategy == "ghost":
-        try:
-            if call.backend.name == "jax":
-                from pergrad._src.strategies import ghost_jax as jax_ghost
-
-                return jax_ghost.ghost(spec, call, choice.plan, weights_from)
-            from pergrad._src.strategies.ghost_torch import ghost
-
-            return ghost(spec, call, fn, choice.layers, weights_from)
-        except GhostUnsupported as err:
-            if requested == "ghost":
-                raise PergradValueError(
-                    f"{spec.func_name}: strategy='ghost' cannot handle this call: {err}. Use "
-                    f"strategy='chunked', or 'auto', which falls back to it by itself."
-                ) from err
-            warnings.warn(
-                f"{spec.func_name}: the ghost strategy cannot handle this call ({err}); using "
-                f"the chunked strategy instead: the same result, with more time and memory.",
-                FallbackWarning,
-                stacklevel=3,
-            )
-            chunk_size = spec.chunk_size or default_chunk_size(call)
-    return chunked(spec, call, chunk_size, weights_from)
+    request = ReduceRequest(spec, call, fn, args, chunk_size, materialize)
+    chosen, _ = registry.select("reduce", request, strategy)
+    return request, chosen
 
 
 def _global_norms(squared: list[Any]) -> Any:

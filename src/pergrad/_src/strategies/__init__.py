@@ -19,5 +19,10 @@ Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,
 - ``"materialize"``: :func:`pergrad.per_example_grads`, then reduce (in ``core/reductions.py``).
 
 Every strategy receives the analysed call (``core/call.py``: ``Spec``, ``Call``,
-``single_example_fn``); ``core/api.py`` and ``core/reductions.py`` choose among them.
+``single_example_fn``). ``registry.py`` holds them in one table: each one's ``assess`` (can it
+take this call, before running anything, and why not) and ``run`` (which raises
+``Unsupported`` on finding out only while running), the order ``strategy="auto"`` tries them
+in, and the one fallback discipline of every task. ``protocol.py`` holds the types they share
+(``Assessment``, ``StrategyChoice``, the requests). ``core/api.py`` and ``core/reductions.py``
+only build a request and call the registry.
 """

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from pergrad._src.core.call import Call, Spec, single_example_fn
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import GhostUnsupported, PergradValueError
 from pergrad._src.strategies.chunked import Reduction, WeightsFn
+from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
 
 # Ops that move a parameter's numbers around without mixing them: the gradient through them
 # has the same norm, and its transpose is cheap.
@@ -218,6 +219,59 @@ def materialized_numbers(ghost_plan: JaxGhostPlan, call: Call) -> int:
     leaves = [call.leaves[i][j] for i, j in call.diff_positions]
     size = sum(math.prod(call.backend.shape(leaves[k])) for k in ghost_plan.other)
     return call.batch_size * size
+
+
+def assess(request: ReduceRequest, forced: bool) -> Assessment:
+    """The registry's question for a JAX loss: does any parameter enter through a contraction,
+    and (under "auto") do the per-example gradients of the others stay small?"""
+    spec, call = request.spec, request.call
+    found = plan(spec, call)
+    layers, materialized = describe(found, _leaf_names(spec, call, request.args))
+    numbers = materialized_numbers(found, call)
+    if forced:
+        if not found.sites:
+            raise PergradValueError(
+                f"{spec.func_name}: strategy='ghost' found no parameter that enters the loss "
+                f"through a contraction (a dense layer, a convolution or an embedding lookup), "
+                f"so there is nothing to compute without per-example gradients "
+                f"({_listing(materialized)}). Use strategy='chunked', or 'auto', which picks it "
+                f"for such losses."
+            )
+        choice = StrategyChoice("ghost", "requested", None, layers, materialized, found)
+        return Assessment("ghost", True, "requested", choice)
+    if found.sites and numbers <= MAX_MATERIALIZED_NUMBERS:
+        why = (
+            "every differentiated parameter enters the loss through a contraction"
+            if not materialized
+            else f"the parameters outside contractions need only {numbers:,} per-example numbers"
+        )
+        return Assessment(
+            "ghost", True, why, StrategyChoice("ghost", why, None, layers, materialized, found)
+        )
+    why = (
+        "no differentiated parameter enters the loss through a contraction"
+        if not found.sites
+        else f"the parameters outside contractions would need {numbers:,} per-example numbers "
+        f"(more than {MAX_MATERIALIZED_NUMBERS:,}): {_listing(materialized)}"
+    )
+    return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers, materialized))
+
+
+def _leaf_names(spec: Spec, call: Call, args: tuple[Any, ...]) -> list[str]:
+    """A readable name for each differentiated leaf: its path, after the argument's index when
+    several arguments are differentiated."""
+    paths = {i: call.backend.flatten(args[i])[0] for i in spec.argnums}
+    names = []
+    for i, j in call.diff_positions:
+        path = paths[i][j] or "(the whole argument)"
+        names.append(path if spec.single_argnum else f"argument {i} {path}")
+    return names
+
+
+def _listing(reasons: dict[str, str]) -> str:
+    items = list(reasons.items())
+    text = "; ".join(f"{name}: {why}" for name, why in items[:4])
+    return text + (f"; and {len(items) - 4} more" if len(items) > 4 else "")
 
 
 def ghost(

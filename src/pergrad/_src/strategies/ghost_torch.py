@@ -69,6 +69,7 @@ from pergrad._src.capture.torch_layers import LayerCall  # importing it register
 from pergrad._src.core.call import Call, Spec, single_example_fn
 from pergrad._src.errors import GhostUnsupported, is_pergrad_error
 from pergrad._src.strategies.chunked import Reduction, WeightsFn, weight_groups
+from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
 from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The rule name of a layer without a rule, handled by torch_generic.py.
@@ -133,6 +134,40 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
         else:
             layers[module_name] = rule.name
     return GhostPlan(layers, unsupported, generic_size)
+
+
+def assess(request: ReduceRequest, forced: bool) -> Assessment:
+    """The registry's question for a ``module_loss``: every differentiated parameter in a layer
+    with a rule (or a layer run alone whose per-example gradients stay small under "auto")?"""
+    spec = request.spec
+    if spec.argnums != (0,) or not spec.single_argnum:
+        found = GhostPlan(
+            unsupported={"argnums": "the ghost strategy differentiates the parameters only"}
+        )
+    else:
+        found = plan(request.fn, request.args[0])
+    layers, unsupported = dict(found.layers), dict(found.unsupported)
+    if unsupported:
+        listing = "; ".join(f"{layer!r}: {problem}" for layer, problem in unsupported.items())
+        why = listing if forced else "layers without a ghost rule: " + listing
+        return Assessment(
+            "ghost", False, why, StrategyChoice("ghost", why, None, layers, unsupported)
+        )
+    generic = request.call.batch_size * found.generic_size
+    limit = torch_generic.MAX_MATERIALIZED_NUMBERS
+    if forced:
+        why = "requested"
+    elif generic > limit:
+        why = (
+            f"the layers without a ghost rule would need {generic:,} per-example numbers "
+            f"(more than {limit:,})"
+        )
+        return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers))
+    else:
+        why = "every differentiated parameter belongs to a layer with a ghost rule" + (
+            f" (layers without one, run alone: {generic:,} per-example numbers)" if generic else ""
+        )
+    return Assessment("ghost", True, why, StrategyChoice("ghost", why, None, layers))
 
 
 def ghost(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,6 @@ from pergrad._src.backends import (
 )
 from pergrad._src.core.call import Spec
 from pergrad._src.errors import (
-    FallbackWarning,
     PergradValueError,
 )
 
@@ -49,25 +47,3 @@ def loop(
     _, _, treedef = bk.flatten(outs[0])
     per_example = [bk.flatten(out)[1] for out in outs]
     return bk.unflatten(treedef, [bk.stack(column) for column in zip(*per_example)])
-
-
-def fall_back_to_loop(
-    spec: Spec,
-    bk: Backend,
-    single: Callable[..., Any],
-    diff_values: tuple[Any, ...],
-    batched_values: tuple[Any, ...],
-    batch_size: int,
-    cause: str,
-) -> Any:
-    # If one example fails on its own, the problem is in fn and its own error is the clearest.
-    loop(spec, bk, single, diff_values, batched_values, 1, stacked=False)
-    warnings.warn(
-        f"{spec.func_name}: {cause}. Falling back to strategy 'loop', one example at a time: "
-        f"the same result, but slower. Later calls of this function use the loop directly.",
-        FallbackWarning,
-        stacklevel=5,
-    )
-    spec.resolved = "loop"
-    spec.last_strategy = "loop"
-    return loop(spec, bk, single, diff_values, batched_values, batch_size)

@@ -1,0 +1,97 @@
+"""The types every strategy and the registry share (``registry.py`` says how they are used):
+a module of its own, so that the strategies can build their answers without importing the
+registry that imports them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pergrad._src.core.call import Call, Spec
+from pergrad._src.strategies.chunked import WeightsFn
+
+
+class Unsupported(Exception):
+    """Raised by :meth:`Strategy.run` when it finds, while running, that it cannot take a call;
+    the message says why (it is shown to the user)."""
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """How a call of :func:`per_example_norms_of` / :func:`clipped_sum_of` will be computed.
+
+    Attributes:
+      strategy: ``"ghost"``, ``"chunked"`` or ``"materialize"`` (never ``"auto"``).
+      reason: why, in words.
+      chunk_size: examples per chunk for ``"chunked"`` (the default is chosen from the number of
+        parameters: ``chunk_size x P`` stays under 2**25 numbers); what was passed for
+        ``"materialize"``; None for ``"ghost"``.
+      layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
+        ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter;
+        ``"generic"`` for a layer without a rule, run alone (``torch_generic.py``). For a
+        JAX loss, parameter path -> ``"dense"`` or ``"conv"``, the contraction it enters.
+      unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
+        parameter path -> why its per-example gradients are formed (the ghost strategy still
+        runs; these parameters get ordinary per-example gradients in the same pass).
+      plan: the analysis the ghost strategy runs from (internal).
+
+    A ghost run can still meet something only visible while running (a layer that does not get
+    the batch on axis 0, an input changed in place); ``"auto"`` then takes the chunked strategy
+    and says so with a :class:`pergrad.FallbackWarning`.
+    """
+
+    strategy: str
+    reason: str
+    chunk_size: int | None = None
+    layers: dict[str, str] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+    plan: Any = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A strategy's answer for one call, before running it.
+
+    ``choice`` carries what a ``"reduce"`` strategy reports (:class:`StrategyChoice`); a
+    ``"grads"`` strategy leaves it None. A refusal may carry one too: the layers a ghost plan
+    found are still reported when the call goes to the chunked strategy. ``plan``: whatever
+    the strategy's run needs from its assessment (the hooks plan).
+    """
+
+    strategy: str
+    accepted: bool
+    why: str
+    choice: StrategyChoice | None = None
+    plan: Any = field(default=None, repr=False, compare=False)
+    fallback: bool = False  # reached by "auto" after another strategy failed
+
+
+@dataclass
+class GradsRequest:
+    """A call of :func:`pergrad.per_example_grads`, analysed (``core/api.py``)."""
+
+    spec: Spec
+    call: Call
+    kwargs: dict[str, Any]
+    single: Callable[..., Any]
+    diff_values: tuple[Any, ...]
+    batched_values: tuple[Any, ...]
+    batch_size: int
+
+
+@dataclass
+class ReduceRequest:
+    """A call of ``per_example_norms_of`` / ``clipped_sum_of`` (``core/reductions.py``).
+
+    ``materialize()`` gives the per-example gradients (:func:`pergrad.per_example_grads` of the
+    same call, supplied by the entry point); ``weights_from`` maps the squared norms to the
+    clipped sum's example weights (None: norms only)."""
+
+    spec: Spec
+    call: Call
+    fn: Any
+    args: tuple[Any, ...]
+    chunk_size: int | None
+    materialize: Callable[[], Any]
+    weights_from: WeightsFn | None = None

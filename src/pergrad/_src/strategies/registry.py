@@ -1,0 +1,409 @@
+"""The strategy registry: every way pergrad computes something per example, in one table, and
+the one place where ``strategy="auto"`` picks among them and falls back.
+
+Two tasks share the table (:data:`ORDER` lists each task's strategies in the order "auto"
+considers them):
+
+- ``"grads"``, per-example gradients (:func:`pergrad.per_example_grads`): ``vmap``, ``hooks``
+  (PyTorch ``module_loss``), ``loop``.
+- ``"reduce"``, per-example squared norms and weighted sums without keeping the gradients
+  (:func:`pergrad.norms.per_example_norms_of`, :func:`pergrad.dp.clipped_sum_of`,
+  ``DPOptimizer``): ``materialize`` (taken by "auto" only for an empty batch), ``ghost``,
+  ``chunked``.
+
+Each :class:`Strategy` answers two questions:
+
+- ``assess(request, forced, refused)``: can it take this call, judged before running anything?
+  An :class:`Assessment` that accepts with a reason and details (the layers a ghost plan covers,
+  the chunk size), or refuses with why not. ``forced`` is True when the user named the strategy
+  (it may then accept a call it would not pick on cost); ``refused`` holds the refusals of the
+  strategies before it (the chunked strategy's reason under "auto" is why ghost refused).
+- ``run(request, assessment)``: compute; raise :class:`Unsupported` on finding, only while
+  running, that it cannot take the call (``vmap`` meets an operator without a batching rule, a
+  layer fails the capture's layout checks).
+
+:func:`select` (runs nothing: ``choose_strategy``) and :func:`execute` hold the discipline, the
+same for every strategy and task:
+
+- "auto": a refusal moves on silently (the assessment records why); an :class:`Unsupported`
+  moves on with a :class:`pergrad.FallbackWarning` that says what failed and what was taken.
+- A named strategy that refuses or fails raises a ``ValueError`` that names it, says why and
+  what to pass instead; it never falls back.
+- A ``"grads"`` fallback is remembered (``spec.resolved``): later calls of the same function
+  start from the strategy that worked.
+
+Framework-specific strategies import their framework only when assessed for a call that can be
+theirs: a ``module_loss`` (which cannot exist without torch) or a JAX backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pergrad._src.errors import (
+    FallbackWarning,
+    GhostUnsupported,
+    PergradValueError,
+    is_pergrad_error,
+)
+from pergrad._src.strategies.chunked import Reduction, chunked, default_chunk_size
+from pergrad._src.strategies.loop import loop
+from pergrad._src.strategies.protocol import (
+    Assessment,
+    GradsRequest,
+    ReduceRequest,
+    StrategyChoice,
+    Unsupported,
+)
+from pergrad._src.strategies.vmap import CallContext, vectorised, vmap_failure
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of computing per-example quantities (see the module docstring).
+
+    Attributes:
+      name: what users pass as ``strategy=``.
+      task: ``"grads"`` or ``"reduce"``.
+      assess: ``(request, forced, refused) -> Assessment``; runs nothing.
+      run: ``(request, assessment) -> result``; may raise :class:`Unsupported`.
+      instead: what to pass when it is named and cannot take a call (for the error).
+      fallback_note: what the user gets when "auto" falls back to it (for the warning).
+    """
+
+    name: str
+    task: str
+    assess: Callable[[Any, bool, dict[str, Assessment]], Assessment]
+    run: Callable[[Any, Assessment], Any]
+    instead: str
+    fallback_note: str
+
+
+def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[Assessment]]:
+    """``(the assessment of the strategy a call will run, the refusals before it)``.
+
+    "auto": the first strategy of :data:`ORDER` that accepts. A named strategy: its own
+    assessment, or a ``ValueError`` when it refuses."""
+    func_name = request.spec.func_name
+    if requested != "auto":
+        strategy = _BY_NAME[task][requested]
+        verdict = strategy.assess(request, True, {})
+        if not verdict.accepted:
+            raise PergradValueError(
+                f"{func_name}: strategy={requested!r} cannot handle this call: {verdict.why}. "
+                f"{strategy.instead}"
+            )
+        return verdict, []
+    refused: dict[str, Assessment] = {}
+    for name in _start(task, request):
+        verdict = _BY_NAME[task][name].assess(request, False, refused)
+        if verdict.accepted:
+            return verdict, list(refused.values())
+        refused[name] = verdict
+    raise AssertionError(
+        f"the last {task} strategy of ORDER accepts every call"
+    )  # pragma: no cover
+
+
+def execute(task: str, request: Any, requested: str, chosen: Assessment | None = None) -> Any:
+    """Run the chosen strategy (``select``'s, unless given); under "auto", on
+    :class:`Unsupported`, the next strategies of :data:`ORDER` that accept, with a
+    :class:`pergrad.FallbackWarning` naming what failed."""
+    if chosen is None:
+        chosen, _ = select(task, request, requested)
+    strategy = _BY_NAME[task][chosen.strategy]
+    try:
+        return strategy.run(request, chosen)
+    except Unsupported as err:
+        if requested != "auto":
+            raise PergradValueError(
+                f"{request.spec.func_name}: strategy={requested!r} cannot handle this call: "
+                f"{err}. {strategy.instead}"
+            ) from err
+        failures = [_FAILED[strategy.name](str(err))]
+    order = list(ORDER[task])
+    for name in order[order.index(strategy.name) + 1 :]:
+        candidate = _BY_NAME[task][name]
+        verdict = candidate.assess(request, False, {})
+        if not verdict.accepted:
+            failures.append(_FAILED[name](verdict.why))
+            continue
+        try:
+            out = candidate.run(request, _fallen_back(verdict, failures))
+        except Unsupported as err:
+            failures.append(_FAILED[name](str(err)))
+            continue
+        _warn_from_caller(
+            f"{request.spec.func_name}: {'; '.join(failures)}. Took strategy {name!r} "
+            f"instead: {candidate.fallback_note}"
+        )
+        if task == "grads":
+            request.spec.resolved = name
+        return out
+    raise AssertionError(f"the last {task} strategy of ORDER runs every call")  # pragma: no cover
+
+
+def _fallen_back(verdict: Assessment, failures: list[str]) -> Assessment:
+    """The assessment a strategy runs with when "auto" reached it after failures."""
+    return dataclasses.replace(verdict, why="; ".join(failures), fallback=True)
+
+
+def _start(task: str, request: Any) -> list[str]:
+    """The order "auto" tries, from the strategy an earlier call of this function settled on."""
+    order = list(ORDER[task])
+    resolved = request.spec.resolved if task == "grads" else None
+    return order[order.index(resolved) :] if resolved in order else order
+
+
+def _warn_from_caller(message: str) -> None:
+    """A FallbackWarning attributed to the first frame outside pergrad (the user's call)."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of this function
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("pergrad."):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, FallbackWarning, stacklevel=level)
+
+
+def _is_module_loss(fn: Any) -> bool:
+    """Whether ``fn`` is a :func:`pergrad.module_loss` loss. Never imports torch: a
+    ``ModuleLoss`` cannot exist unless its module has been imported."""
+    torch_module = sys.modules.get("pergrad._src.torch.module_loss")
+    return torch_module is not None and isinstance(fn, torch_module.ModuleLoss)
+
+
+# --- per-example gradients ------------------------------------------------------------------
+
+
+def _always(name: str, why: str) -> Callable[[Any, bool, dict[str, Assessment]], Assessment]:
+    def assess(request: Any, forced: bool, refused: dict[str, Assessment]) -> Assessment:
+        return Assessment(name, True, "requested" if forced else why)
+
+    return assess
+
+
+def _run_vmap(request: GradsRequest, _: Assessment) -> Any:
+    spec, bk = request.spec, request.call.backend
+    try:
+        out = vectorised(spec, bk)(
+            request.diff_values, request.batched_values, CallContext(request.call, request.kwargs)
+        )
+    except Exception as err:  # vmap_failure re-raises pergrad's own errors
+        raise Unsupported(f"{bk.name} could not vectorise fn ({vmap_failure(bk, err)})") from err
+    spec.last_strategy = "vmap"
+    if spec.returns_losses:
+        return out
+    return ((None, out[0]), out[1]) if spec.has_aux else (None, out)
+
+
+def _assess_hooks(request: GradsRequest, forced: bool, _: dict[str, Assessment]) -> Assessment:
+    spec = request.spec
+    if not _is_module_loss(spec.fn):
+        return Assessment(
+            "hooks",
+            False,
+            f"layer hooks need a PyTorch loss made with pergrad.module_loss(model, loss_fn); "
+            f"fn is a {type(spec.fn).__name__} on {request.call.backend.name}",
+        )
+    from pergrad._src.strategies import hooks_torch
+
+    call = request.call
+    params = call.backend.unflatten(call.treedefs[0], call.leaves[0])
+    plan = hooks_torch.plan(spec, spec.fn, params)
+    if plan.unsupported:
+        return Assessment("hooks", False, hooks_torch.listing(plan.unsupported))
+    return Assessment("hooks", True, "requested" if forced else "a module_loss", plan=plan)
+
+
+def _run_hooks(request: GradsRequest, verdict: Assessment) -> Any:
+    from pergrad._src.strategies import hooks_torch
+
+    spec = request.spec
+    try:
+        losses, grads = hooks_torch.value_and_grads(
+            spec,
+            request.call,
+            verdict.plan,
+            request.single,
+            request.diff_values,
+            request.batched_values,
+            request.batch_size,
+        )
+    except hooks_torch.HooksUnsupported as err:
+        raise Unsupported(str(err)) from err
+    except Exception as err:
+        if is_pergrad_error(err) or spec.strategy == "hooks":
+            raise
+        # The batch through the model failed (a model written for one example): under "auto"
+        # that is a reason to loop, which checks that one example runs on its own.
+        raise Unsupported(
+            f"the batched pass failed: {vmap_failure(request.call.backend, err)}"
+        ) from err
+    spec.last_strategy = "hooks"
+    return losses, tuple(grads)
+
+
+def _run_loop(request: GradsRequest, verdict: Assessment) -> Any:
+    spec, bk = request.spec, request.call.backend
+    args = (request.single, request.diff_values, request.batched_values)
+    if verdict.fallback:
+        # reached by a fallback: if one example fails on its own, the problem is in fn, and
+        # its own error is the clearest
+        loop(spec, bk, *args, 1, stacked=False)
+    spec.last_strategy = "loop"
+    return loop(spec, bk, *args, request.batch_size)
+
+
+# --- per-example norms and weighted sums ------------------------------------------------------
+
+
+def _assess_materialize(
+    request: ReduceRequest, forced: bool, _: dict[str, Assessment]
+) -> Assessment:
+    if request.call.batch_size == 0:
+        why = "empty batch"
+    elif forced:
+        why = "requested"
+    else:
+        return Assessment("materialize", False, "only on request")
+    return Assessment(
+        "materialize", True, why, StrategyChoice("materialize", why, request.chunk_size)
+    )
+
+
+def _run_materialize(request: ReduceRequest, _: Assessment) -> Any:
+    """The per-example gradients, which the entry point reduces with ``pergrad.norms`` /
+    ``pergrad.dp.clipped_sum`` (its documented meaning: exactly those functions' results)."""
+    return request.materialize()
+
+
+def _assess_ghost(request: ReduceRequest, forced: bool, _: dict[str, Assessment]) -> Assessment:
+    if request.call.backend.name == "jax":
+        from pergrad._src.strategies import ghost_jax
+
+        return ghost_jax.assess(request, forced)
+    if not _is_module_loss(request.fn):
+        return Assessment(
+            "ghost",
+            False,
+            f"the ghost strategy needs a PyTorch pergrad.module_loss; fn is a "
+            f"{type(request.fn).__name__} on {request.call.backend.name}",
+            StrategyChoice("ghost", ""),
+        )
+    from pergrad._src.strategies import ghost_torch
+
+    return ghost_torch.assess(request, forced)
+
+
+def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
+    choice = verdict.choice
+    assert choice is not None
+    try:
+        if request.call.backend.name == "jax":
+            from pergrad._src.strategies import ghost_jax
+
+            return ghost_jax.ghost(request.spec, request.call, choice.plan, request.weights_from)
+        from pergrad._src.strategies import ghost_torch
+
+        return ghost_torch.ghost(
+            request.spec, request.call, request.fn, choice.layers, request.weights_from
+        )
+    except GhostUnsupported as err:
+        raise Unsupported(str(err)) from err
+
+
+def _assess_chunked(
+    request: ReduceRequest, forced: bool, refused: dict[str, Assessment]
+) -> Assessment:
+    chunk = request.chunk_size or default_chunk_size(request.call)
+    ghost = refused.get("ghost")
+    if forced or ghost is None:
+        why = "requested" if forced else "the ghost strategy failed while running"
+        return Assessment("chunked", True, why, StrategyChoice("chunked", why, chunk))
+    found = ghost.choice or StrategyChoice("ghost", "")
+    choice = StrategyChoice("chunked", ghost.why, chunk, found.layers, found.unsupported)
+    return Assessment("chunked", True, ghost.why, choice)
+
+
+def _run_chunked(request: ReduceRequest, verdict: Assessment) -> Reduction:
+    choice = verdict.choice
+    chunk = choice.chunk_size if choice is not None and choice.chunk_size else None
+    chunk = chunk or request.spec.chunk_size or default_chunk_size(request.call)
+    return chunked(request.spec, request.call, chunk, request.weights_from)
+
+
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy(
+        "vmap",
+        "grads",
+        _always("vmap", "the framework's vmap of the gradient of one example"),
+        _run_vmap,
+        "Use strategy='auto', which then takes layer hooks or a loop.",
+        "the framework's vmap.",
+    ),
+    Strategy(
+        "hooks",
+        "grads",
+        _assess_hooks,
+        _run_hooks,
+        "Use strategy='auto' (which falls back to a loop by itself) or 'loop'.",
+        "per-example gradients from layer hooks over one forward and backward pass of the "
+        "batch, checked against the batch gradient. Later calls of this function use it "
+        "directly.",
+    ),
+    Strategy(
+        "loop",
+        "grads",
+        _always("loop", "one example at a time"),
+        _run_loop,
+        "",
+        "one example at a time: the same result, but slower. Later calls of this function "
+        "use the loop directly.",
+    ),
+    Strategy(
+        "materialize",
+        "reduce",
+        _assess_materialize,
+        _run_materialize,
+        "Use strategy='auto'.",
+        "per-example gradients, then reduced.",
+    ),
+    Strategy(
+        "ghost",
+        "reduce",
+        _assess_ghost,
+        _run_ghost,
+        "Use strategy='chunked', or 'auto', which falls back to it by itself.",
+        "ghost norms.",
+    ),
+    Strategy(
+        "chunked",
+        "reduce",
+        _assess_chunked,
+        _run_chunked,
+        "",
+        "the same result, with more time and memory.",
+    ),
+)
+
+ORDER: dict[str, tuple[str, ...]] = {
+    "grads": ("vmap", "hooks", "loop"),
+    "reduce": ("materialize", "ghost", "chunked"),
+}
+
+_BY_NAME: dict[str, dict[str, Strategy]] = {
+    task: {s.name: s for s in STRATEGIES if s.task == task} for task in ORDER
+}
+
+# How a strategy's failure or refusal reads in a fallback warning.
+_FAILED: dict[str, Callable[[str], str]] = {
+    "vmap": lambda why: why,
+    "hooks": lambda why: f"layer hooks cannot take this call ({why})",
+    "loop": lambda why: f"the loop failed ({why})",
+    "materialize": lambda why: f"materialising failed ({why})",
+    "ghost": lambda why: f"the ghost strategy cannot handle this call ({why})",
+    "chunked": lambda why: f"the chunked strategy failed ({why})",
+}
