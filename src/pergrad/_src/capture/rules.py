@@ -6,12 +6,17 @@ norms, per-example gradients, and sums weighted per example. One small function 
 (``torch_layers.py``), registered under the layer types it handles, as Opacus's
 ``grad_sample`` does; the strategies ask :func:`rule_for`, never ``isinstance``. Adding a
 layer family means writing its functions in ``torch_layers.py`` and decorating them.
+
+Reductions are plug-ins: beyond the three every family has, a new per-example quantity (a
+per-layer Kronecker projection of the gradient, for attribution) is taught to a family with
+:func:`register_reduction`, from its own module, without touching the engine or the rules;
+a strategy asks ``rule.reduction(name)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # A rule takes the layer and its calls in one forward pass, and returns each of the layer's own
@@ -23,6 +28,10 @@ PerExampleFn = Callable[[Any, list[Any]], dict[str, Any]]
 ProblemFn = Callable[[Any], "str | None"]
 # The same calls and (B,) weights -> each parameter's sum_i w_i g_i, shaped like the parameter.
 WeightedSumFn = Callable[[Any, list[Any], Any], dict[str, Any]]
+# A plug-in reduction: (layer, calls, *its own arguments) -> {param_name: per-example values}.
+ReductionFn = Callable[..., dict[str, Any]]
+
+BUILT_IN = ("squared_norms", "per_example", "weighted_sum")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class LayerRule:
         without forming the per-example gradients, for clipped sums; None: the ``per_example``
         gradients are contracted with the weights (fine where they are as small as an
         activation).
+      plugins: reductions added with :func:`register_reduction`, by name.
     """
 
     name: str
@@ -49,6 +59,13 @@ class LayerRule:
     problem: ProblemFn
     per_example: PerExampleFn
     weighted_sum: WeightedSumFn | None = None
+    plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
+
+    def reduction(self, name: str) -> ReductionFn | None:
+        """The family's function for reduction ``name`` (a built-in or a plug-in), or None."""
+        if name in BUILT_IN:
+            return getattr(self, name)
+        return self.plugins.get(name)
 
 
 # Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
@@ -87,3 +104,27 @@ def rule_for(layer: Any) -> LayerRule | None:
     cls = type(layer)
     rule = _RULES.get(cls)
     return rule if rule is not None else _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def register_reduction(reduction: str, family: str) -> Callable[[ReductionFn], ReductionFn]:
+    """Decorator: teach the layer family ``family`` (a rule's name: ``"linear"``, ``"conv"``,
+    ...) the plug-in reduction ``reduction``, ``fn(layer, calls, *args) -> {param: values}``.
+
+    Raises ``ValueError`` for an unknown family, or a name that is one of the built-in three.
+    """
+    if reduction in BUILT_IN:
+        raise ValueError(
+            f"register_reduction: {reduction!r} is a built-in reduction of every family "
+            f"({', '.join(BUILT_IN)}); give the plug-in a name of its own."
+        )
+    rules = {id(rule): rule for rule in _RULES.values() if rule.name == family}
+    if not rules:
+        known = sorted({rule.name for rule in _RULES.values()})
+        raise ValueError(f"register_reduction: no layer family {family!r}; known: {known}.")
+
+    def decorate(fn: ReductionFn) -> ReductionFn:
+        for rule in rules.values():
+            rule.plugins[reduction] = fn
+        return fn
+
+    return decorate
