@@ -1,7 +1,8 @@
 """Capture: one batched pass that records, for each parameterised layer, its inputs and output
 gradients, and the per-layer rules that reduce those records per example.
 
-- ``rules.py``: the layer-rule registry (:func:`rule_for`, :func:`register`).
+- ``rules.py``: the layer-rule registry (:func:`rule_for`, :func:`register`, and
+  :func:`register_reduction` for plug-in reductions).
 - ``torch_layers.py``: the rules for PyTorch's standard layers (Linear, convolutions,
   Embedding, norm layers, Hugging Face Conv1D).
 - ``torch_engine.py``: the forward / tensor hooks that record each layer call over one pass,
@@ -9,6 +10,7 @@ gradients, and the per-layer rules that reduce those records per example.
 - ``torch_generic.py``: layers without a rule, run alone with ``torch.func``.
 - ``torch_checks.py``: what the first call of each layout establishes (where the batch is).
 
-The JAX counterpart (contraction interception in a traced jaxpr) lives with its strategy in
-``strategies/ghost_jax.py``.
+- ``jax_engine.py``: the JAX counterpart: the loss of one example traced to a jaxpr, each
+  differentiated leaf's contraction found in it, and the evaluation that keeps each
+  contraction's input and exposes its output cotangent (reduced by ``strategies/ghost_jax.py``).
 """
