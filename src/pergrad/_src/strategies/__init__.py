@@ -16,13 +16,16 @@ Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,
   loss of one example.
 - ``chunked.py`` (``"chunked"``, both frameworks): per-example gradients a chunk at a time,
   reduced at once; the clipped sum as one weighted batch gradient.
-- ``"materialize"``: :func:`pergrad.per_example_grads`, then reduce (in ``core/reductions.py``).
+- ``materialize.py`` (``"materialize"``): :func:`pergrad.per_example_grads`, which the entry
+  points of ``core/reductions.py`` reduce.
 
-Every strategy receives the analysed call (``core/call.py``: ``Spec``, ``Call``,
-``single_example_fn``). ``registry.py`` holds them in one table: each one's ``assess`` (can it
+Every strategy module has an ``assess`` and a ``run`` and receives the analysed call
+(``core/call.py``: ``Spec``, ``Call``, ``single_example_fn``). ``registry.py`` holds them in one
+table (the framework strategies reached through small dispatchers that import torch or JAX only
+for a call that can be theirs): each one's ``assess`` (can it
 take this call, before running anything, and why not) and ``run`` (which raises
 ``Unsupported`` on finding out only while running), the order ``strategy="auto"`` tries them
 in, and the one fallback discipline of every task. ``protocol.py`` holds the types they share
-(``Assessment``, ``StrategyChoice``, the requests). ``core/api.py`` and ``core/reductions.py``
+(``Assessment``, ``StrategyChoice``, ``Reduction``, the requests). ``core/api.py`` and ``core/reductions.py``
 only build a request and call the registry.
 """

@@ -19,43 +19,25 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from pergrad._src.backends import Backend
 from pergrad._src.core.call import Call, Spec, single_example_fn
 from pergrad._src.errors import FallbackWarning
 from pergrad._src.strategies.loop import loop
+from pergrad._src.strategies.protocol import (
+    Assessment,
+    ReduceRequest,
+    Reduction,
+    StrategyChoice,
+    WeightsFn,
+    weight_groups,
+)
 from pergrad._src.strategies.vmap import vmap_failure
 
 # Default chunk: as many examples as keep chunk_size x P under this many gradient numbers
 # (128 MB in float32): big enough that per-chunk overhead vanishes, small next to B x P.
 _DEFAULT_CHUNK_NUMBERS = 2**25
-
-# weights_from(squared_norms_per_leaf) -> (B,) weights of the examples in the clipped sum, or
-# one (B,) array per leaf (per-group clipping; leaves of one group share the array object)
-WeightsFn = Callable[[list[Any]], Any]
-
-
-def weight_groups(weights: Any, num_leaves: int) -> list[tuple[Any, list[int]]]:
-    """``[(weights, leaf indices)]``: the leaves that share one ``(B,)`` weight array."""
-    per_leaf = weights if isinstance(weights, list) else [weights] * num_leaves
-    groups: dict[int, tuple[Any, list[int]]] = {}
-    for k, w in enumerate(per_leaf):
-        groups.setdefault(id(w), (w, []))[1].append(k)
-    return list(groups.values())
-
-
-class Reduction(NamedTuple):
-    """What a strategy returns, per differentiated leaf (in the core's flat order).
-
-    Attributes:
-      squared_norms: ``(B,)`` each example's squared gradient norm, one array per leaf.
-      weighted_sums: ``sum_i w_i g_i`` one array per leaf (shaped like the leaf), or None when
-        no weights were asked for.
-    """
-
-    squared_norms: list[Any]
-    weighted_sums: list[Any] | None
 
 
 def default_chunk_size(call: Call) -> int:
@@ -184,3 +166,21 @@ def _looped(
     for i in range(batch_size):
         sums = [s + w[i] * g for s, w, g in zip(sums, per_leaf, grads_of(i))]
     return Reduction(squared, sums)
+
+
+def assess(request: ReduceRequest, forced: bool, refused: dict[str, Assessment]) -> Assessment:
+    chunk = request.chunk_size or default_chunk_size(request.call)
+    ghost = refused.get("ghost")
+    if forced or ghost is None:
+        why = "requested" if forced else "the ghost strategy failed while running"
+        return Assessment("chunked", True, why, StrategyChoice("chunked", why, chunk))
+    found = ghost.choice or StrategyChoice("ghost", "")
+    choice = StrategyChoice("chunked", ghost.why, chunk, found.layers, found.unsupported)
+    return Assessment("chunked", True, ghost.why, choice)
+
+
+def run(request: ReduceRequest, verdict: Assessment) -> Reduction:
+    choice = verdict.choice
+    chunk = choice.chunk_size if choice is not None and choice.chunk_size else None
+    chunk = chunk or request.spec.chunk_size or default_chunk_size(request.call)
+    return chunked(request.spec, request.call, chunk, request.weights_from)

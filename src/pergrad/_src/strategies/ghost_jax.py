@@ -45,8 +45,13 @@ from pergrad._src.capture.jax_engine import (
 )
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import GhostUnsupported, PergradValueError
-from pergrad._src.strategies.chunked import Reduction, WeightsFn
-from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
+from pergrad._src.strategies.protocol import (
+    Assessment,
+    ReduceRequest,
+    Reduction,
+    StrategyChoice,
+    WeightsFn,
+)
 
 # "auto" takes the ghost strategy only if the parameters it cannot cover would not need more
 # than this many per-example gradient numbers (B x their size); 128 MB in float32.

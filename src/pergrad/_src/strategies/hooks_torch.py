@@ -56,7 +56,9 @@ from pergrad._src.capture.torch_engine import (
     per_example_losses,
 )
 from pergrad._src.core.call import Call, Spec
-from pergrad._src.errors import GhostUnsupported, PergradValueError
+from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
+from pergrad._src.strategies.protocol import Assessment, GradsRequest, Unsupported
+from pergrad._src.strategies.vmap import vmap_failure
 from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
@@ -428,3 +430,40 @@ def _check_sums(
 
 def listing(unsupported: dict[str, str]) -> str:
     return "; ".join(f"{k!r}: {v}" for k, v in unsupported.items())
+
+
+def assess(request: GradsRequest, forced: bool) -> Assessment:
+    """For a ``module_loss`` (the registry checks that): every parameter in a layer with a rule?"""
+    spec = request.spec
+    call = request.call
+    params = call.backend.unflatten(call.treedefs[0], call.leaves[0])
+    found = plan(spec, spec.fn, params)
+    if found.unsupported:
+        return Assessment("hooks", False, listing(found.unsupported))
+    return Assessment("hooks", True, "requested" if forced else "a module_loss", plan=found)
+
+
+def run(request: GradsRequest, verdict: Assessment) -> Any:
+    spec = request.spec
+    try:
+        losses, grads = value_and_grads(
+            spec,
+            request.call,
+            verdict.plan,
+            request.single,
+            request.diff_values,
+            request.batched_values,
+            request.batch_size,
+        )
+    except HooksUnsupported as err:
+        raise Unsupported(str(err)) from err
+    except Exception as err:
+        if is_pergrad_error(err) or spec.strategy == "hooks":
+            raise
+        # The batch through the model failed (a model written for one example): under "auto"
+        # that is a reason to loop, which checks that one example runs on its own.
+        raise Unsupported(
+            f"the batched pass failed: {vmap_failure(request.call.backend, err)}"
+        ) from err
+    spec.last_strategy = "hooks"
+    return losses, tuple(grads)

@@ -12,6 +12,7 @@ from pergrad._src.core.call import Spec
 from pergrad._src.errors import (
     PergradValueError,
 )
+from pergrad._src.strategies.protocol import Assessment, GradsRequest
 
 
 def loop(
@@ -47,3 +48,19 @@ def loop(
     _, _, treedef = bk.flatten(outs[0])
     per_example = [bk.flatten(out)[1] for out in outs]
     return bk.unflatten(treedef, [bk.stack(column) for column in zip(*per_example)])
+
+
+def assess(request: GradsRequest, forced: bool, refused: dict[str, Assessment]) -> Assessment:
+    """Takes every call: one example at a time needs nothing of the framework but a gradient."""
+    return Assessment("loop", True, "requested" if forced else "one example at a time")
+
+
+def run(request: GradsRequest, verdict: Assessment) -> Any:
+    spec, bk = request.spec, request.call.backend
+    args = (request.single, request.diff_values, request.batched_values)
+    if verdict.fallback:
+        # reached by a fallback: if one example fails on its own, the problem is in fn, and
+        # its own error is the clearest
+        loop(spec, bk, *args, 1, stacked=False)
+    spec.last_strategy = "loop"
+    return loop(spec, bk, *args, request.batch_size)

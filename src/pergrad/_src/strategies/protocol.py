@@ -6,10 +6,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pergrad._src.core.call import Call, Spec
-from pergrad._src.strategies.chunked import WeightsFn
+
+# weights_from(squared_norms_per_leaf) -> (B,) weights of the examples in the clipped sum, or
+# one (B,) array per leaf (per-group clipping; leaves of one group share the array object)
+WeightsFn = Callable[[list[Any]], Any]
+
+
+def weight_groups(weights: Any, num_leaves: int) -> list[tuple[Any, list[int]]]:
+    """``[(weights, leaf indices)]``: the leaves that share one ``(B,)`` weight array."""
+    per_leaf = weights if isinstance(weights, list) else [weights] * num_leaves
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for k, w in enumerate(per_leaf):
+        groups.setdefault(id(w), (w, []))[1].append(k)
+    return list(groups.values())
+
+
+class Reduction(NamedTuple):
+    """What a strategy returns, per differentiated leaf (in the core's flat order).
+
+    Attributes:
+      squared_norms: ``(B,)`` each example's squared gradient norm, one array per leaf.
+      weighted_sums: ``sum_i w_i g_i`` one array per leaf (shaped like the leaf), or None when
+        no weights were asked for.
+    """
+
+    squared_norms: list[Any]
+    weighted_sums: list[Any] | None
 
 
 class Unsupported(Exception):

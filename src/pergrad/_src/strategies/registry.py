@@ -45,22 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pergrad._src.errors import (
-    FallbackWarning,
-    GhostUnsupported,
-    PergradValueError,
-    is_pergrad_error,
-)
-from pergrad._src.strategies.chunked import Reduction, chunked, default_chunk_size
-from pergrad._src.strategies.loop import loop
+from pergrad._src.errors import FallbackWarning, GhostUnsupported, PergradValueError
+from pergrad._src.strategies import chunked, loop, materialize, vmap
 from pergrad._src.strategies.protocol import (
     Assessment,
     GradsRequest,
     ReduceRequest,
+    Reduction,
     StrategyChoice,
     Unsupported,
 )
-from pergrad._src.strategies.vmap import CallContext, vectorised, vmap_failure
 
 
 @dataclass(frozen=True)
@@ -178,106 +172,26 @@ def _is_module_loss(fn: Any) -> bool:
 # --- per-example gradients ------------------------------------------------------------------
 
 
-def _always(name: str, why: str) -> Callable[[Any, bool, dict[str, Assessment]], Assessment]:
-    def assess(request: Any, forced: bool, refused: dict[str, Assessment]) -> Assessment:
-        return Assessment(name, True, "requested" if forced else why)
-
-    return assess
-
-
-def _run_vmap(request: GradsRequest, _: Assessment) -> Any:
-    spec, bk = request.spec, request.call.backend
-    try:
-        out = vectorised(spec, bk)(
-            request.diff_values, request.batched_values, CallContext(request.call, request.kwargs)
-        )
-    except Exception as err:  # vmap_failure re-raises pergrad's own errors
-        raise Unsupported(f"{bk.name} could not vectorise fn ({vmap_failure(bk, err)})") from err
-    spec.last_strategy = "vmap"
-    if spec.returns_losses:
-        return out
-    return ((None, out[0]), out[1]) if spec.has_aux else (None, out)
-
-
 def _assess_hooks(request: GradsRequest, forced: bool, _: dict[str, Assessment]) -> Assessment:
-    spec = request.spec
-    if not _is_module_loss(spec.fn):
+    if not _is_module_loss(request.spec.fn):
         return Assessment(
             "hooks",
             False,
             f"layer hooks need a PyTorch loss made with pergrad.module_loss(model, loss_fn); "
-            f"fn is a {type(spec.fn).__name__} on {request.call.backend.name}",
+            f"fn is a {type(request.spec.fn).__name__} on {request.call.backend.name}",
         )
     from pergrad._src.strategies import hooks_torch
 
-    call = request.call
-    params = call.backend.unflatten(call.treedefs[0], call.leaves[0])
-    plan = hooks_torch.plan(spec, spec.fn, params)
-    if plan.unsupported:
-        return Assessment("hooks", False, hooks_torch.listing(plan.unsupported))
-    return Assessment("hooks", True, "requested" if forced else "a module_loss", plan=plan)
+    return hooks_torch.assess(request, forced)
 
 
 def _run_hooks(request: GradsRequest, verdict: Assessment) -> Any:
     from pergrad._src.strategies import hooks_torch
 
-    spec = request.spec
-    try:
-        losses, grads = hooks_torch.value_and_grads(
-            spec,
-            request.call,
-            verdict.plan,
-            request.single,
-            request.diff_values,
-            request.batched_values,
-            request.batch_size,
-        )
-    except hooks_torch.HooksUnsupported as err:
-        raise Unsupported(str(err)) from err
-    except Exception as err:
-        if is_pergrad_error(err) or spec.strategy == "hooks":
-            raise
-        # The batch through the model failed (a model written for one example): under "auto"
-        # that is a reason to loop, which checks that one example runs on its own.
-        raise Unsupported(
-            f"the batched pass failed: {vmap_failure(request.call.backend, err)}"
-        ) from err
-    spec.last_strategy = "hooks"
-    return losses, tuple(grads)
-
-
-def _run_loop(request: GradsRequest, verdict: Assessment) -> Any:
-    spec, bk = request.spec, request.call.backend
-    args = (request.single, request.diff_values, request.batched_values)
-    if verdict.fallback:
-        # reached by a fallback: if one example fails on its own, the problem is in fn, and
-        # its own error is the clearest
-        loop(spec, bk, *args, 1, stacked=False)
-    spec.last_strategy = "loop"
-    return loop(spec, bk, *args, request.batch_size)
+    return hooks_torch.run(request, verdict)
 
 
 # --- per-example norms and weighted sums ------------------------------------------------------
-
-
-def _assess_materialize(
-    request: ReduceRequest, forced: bool, _: dict[str, Assessment]
-) -> Assessment:
-    if request.call.batch_size == 0:
-        why = "empty batch"
-    elif forced:
-        why = "requested"
-    else:
-        return Assessment("materialize", False, "only on request")
-    return Assessment(
-        "materialize", True, why, StrategyChoice("materialize", why, request.chunk_size)
-    )
-
-
-def _run_materialize(request: ReduceRequest, _: Assessment) -> Any:
-    """The per-example gradients, which the entry point reduces with ``pergrad.norms`` /
-    ``pergrad.dp.clipped_sum`` (its documented meaning: exactly those functions' results)."""
-    return request.materialize()
 
 
 def _assess_ghost(request: ReduceRequest, forced: bool, _: dict[str, Assessment]) -> Assessment:
@@ -315,32 +229,12 @@ def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
         raise Unsupported(str(err)) from err
 
 
-def _assess_chunked(
-    request: ReduceRequest, forced: bool, refused: dict[str, Assessment]
-) -> Assessment:
-    chunk = request.chunk_size or default_chunk_size(request.call)
-    ghost = refused.get("ghost")
-    if forced or ghost is None:
-        why = "requested" if forced else "the ghost strategy failed while running"
-        return Assessment("chunked", True, why, StrategyChoice("chunked", why, chunk))
-    found = ghost.choice or StrategyChoice("ghost", "")
-    choice = StrategyChoice("chunked", ghost.why, chunk, found.layers, found.unsupported)
-    return Assessment("chunked", True, ghost.why, choice)
-
-
-def _run_chunked(request: ReduceRequest, verdict: Assessment) -> Reduction:
-    choice = verdict.choice
-    chunk = choice.chunk_size if choice is not None and choice.chunk_size else None
-    chunk = chunk or request.spec.chunk_size or default_chunk_size(request.call)
-    return chunked(request.spec, request.call, chunk, request.weights_from)
-
-
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "vmap",
         "grads",
-        _always("vmap", "the framework's vmap of the gradient of one example"),
-        _run_vmap,
+        vmap.assess,
+        vmap.run,
         "Use strategy='auto', which then takes layer hooks or a loop.",
         "the framework's vmap.",
     ),
@@ -357,8 +251,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "loop",
         "grads",
-        _always("loop", "one example at a time"),
-        _run_loop,
+        loop.assess,
+        loop.run,
         "",
         "one example at a time: the same result, but slower. Later calls of this function "
         "use the loop directly.",
@@ -366,8 +260,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "materialize",
         "reduce",
-        _assess_materialize,
-        _run_materialize,
+        materialize.assess,
+        materialize.run,
         "Use strategy='auto'.",
         "per-example gradients, then reduced.",
     ),
@@ -382,8 +276,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "chunked",
         "reduce",
-        _assess_chunked,
-        _run_chunked,
+        chunked.assess,
+        chunked.run,
         "",
         "the same result, with more time and memory.",
     ),

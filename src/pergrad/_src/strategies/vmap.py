@@ -12,6 +12,7 @@ from pergrad._src.core.call import Call, Spec, single_example
 from pergrad._src.errors import (
     is_pergrad_error,
 )
+from pergrad._src.strategies.protocol import Assessment, GradsRequest, Unsupported
 
 
 def _without_losses(value_and_grad: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -70,3 +71,22 @@ def vectorised(spec: Spec, bk: Backend) -> Callable[..., Any]:
         vectorised = bk.vmap(value_and_grad, (None, 0, None), spec.chunk_size, spec.randomness)
         spec.vectorised[bk.name] = vectorised
     return vectorised
+
+
+def assess(request: GradsRequest, forced: bool, refused: dict[str, Assessment]) -> Assessment:
+    """Always worth trying: whether the framework can batch fn shows only by running it."""
+    return Assessment("vmap", True, "requested" if forced else "the framework's vmap")
+
+
+def run(request: GradsRequest, _: Assessment) -> Any:
+    spec, bk = request.spec, request.call.backend
+    try:
+        out = vectorised(spec, bk)(
+            request.diff_values, request.batched_values, CallContext(request.call, request.kwargs)
+        )
+    except Exception as err:  # vmap_failure re-raises pergrad's own errors
+        raise Unsupported(f"{bk.name} could not vectorise fn ({vmap_failure(bk, err)})") from err
+    spec.last_strategy = "vmap"
+    if spec.returns_losses:
+        return out
+    return ((None, out[0]), out[1]) if spec.has_aux else (None, out)
