@@ -80,10 +80,10 @@ def per_example_norms_of(
     func_name = "per_example_norms_of"
     request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
     spec, call = request.spec, request.call
-    if chosen.strategy == "materialize":
-        grads = registry.execute("reduce", request, strategy, chosen)
-        return per_example_norms(grads, per_layer=per_layer)
-    reduction = registry.execute("reduce", request, strategy, chosen)
+    result = registry.execute("reduce", request, strategy, chosen)
+    if chosen.strategy == "materialize":  # the per-example gradients themselves
+        return per_example_norms(result, per_layer=per_layer)
+    reduction = result
     if per_layer:
         return rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
     return _global_norms(reduction.squared_norms)

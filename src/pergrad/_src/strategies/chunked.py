@@ -180,7 +180,5 @@ def assess(request: ReduceRequest, forced: bool, refused: dict[str, Assessment])
 
 
 def run(request: ReduceRequest, verdict: Assessment) -> Reduction:
-    choice = verdict.choice
-    chunk = choice.chunk_size if choice is not None and choice.chunk_size else None
-    chunk = chunk or request.spec.chunk_size or default_chunk_size(request.call)
-    return chunked(request.spec, request.call, chunk, request.weights_from)
+    assert verdict.choice is not None and verdict.choice.chunk_size  # set by assess
+    return chunked(request.spec, request.call, verdict.choice.chunk_size, request.weights_from)

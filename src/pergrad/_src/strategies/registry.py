@@ -68,6 +68,7 @@ class Strategy:
       run: ``(request, assessment) -> result``; may raise :class:`Unsupported`.
       instead: what to pass when it is named and cannot take a call (for the error).
       fallback_note: what the user gets when "auto" falls back to it (for the warning).
+      failure: how its failure or refusal reads in a fallback warning, ``{why}`` filled in.
     """
 
     name: str
@@ -76,6 +77,7 @@ class Strategy:
     run: Callable[[Any, Assessment], Any]
     instead: str
     fallback_note: str
+    failure: str
 
 
 def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[Assessment]]:
@@ -119,18 +121,18 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
                 f"{request.spec.func_name}: strategy={requested!r} cannot handle this call: "
                 f"{err}. {strategy.instead}"
             ) from err
-        failures = [_FAILED[strategy.name](str(err))]
+        failures = [strategy.failure.format(why=err)]
     order = list(ORDER[task])
     for name in order[order.index(strategy.name) + 1 :]:
         candidate = _BY_NAME[task][name]
         verdict = candidate.assess(request, False, {})
         if not verdict.accepted:
-            failures.append(_FAILED[name](verdict.why))
+            failures.append(candidate.failure.format(why=verdict.why))
             continue
         try:
             out = candidate.run(request, _fallen_back(verdict, failures))
         except Unsupported as err:
-            failures.append(_FAILED[name](str(err)))
+            failures.append(candidate.failure.format(why=err))
             continue
         _warn_from_caller(
             f"{request.spec.func_name}: {'; '.join(failures)}. Took strategy {name!r} "
@@ -237,6 +239,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         vmap.run,
         "Use strategy='auto', which then takes layer hooks or a loop.",
         "the framework's vmap.",
+        "{why}",
     ),
     Strategy(
         "hooks",
@@ -247,6 +250,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         "per-example gradients from layer hooks over one forward and backward pass of the "
         "batch, checked against the batch gradient. Later calls of this function use it "
         "directly.",
+        "layer hooks cannot take this call ({why})",
     ),
     Strategy(
         "loop",
@@ -256,6 +260,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         "",
         "one example at a time: the same result, but slower. Later calls of this function "
         "use the loop directly.",
+        "the loop failed ({why})",
     ),
     Strategy(
         "materialize",
@@ -264,6 +269,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         materialize.run,
         "Use strategy='auto'.",
         "per-example gradients, then reduced.",
+        "materialising failed ({why})",
     ),
     Strategy(
         "ghost",
@@ -272,6 +278,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         _run_ghost,
         "Use strategy='chunked', or 'auto', which falls back to it by itself.",
         "ghost norms.",
+        "the ghost strategy cannot handle this call ({why})",
     ),
     Strategy(
         "chunked",
@@ -280,6 +287,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         chunked.run,
         "",
         "the same result, with more time and memory.",
+        "the chunked strategy failed ({why})",
     ),
 )
 
@@ -290,14 +298,4 @@ ORDER: dict[str, tuple[str, ...]] = {
 
 _BY_NAME: dict[str, dict[str, Strategy]] = {
     task: {s.name: s for s in STRATEGIES if s.task == task} for task in ORDER
-}
-
-# How a strategy's failure or refusal reads in a fallback warning.
-_FAILED: dict[str, Callable[[str], str]] = {
-    "vmap": lambda why: why,
-    "hooks": lambda why: f"layer hooks cannot take this call ({why})",
-    "loop": lambda why: f"the loop failed ({why})",
-    "materialize": lambda why: f"materialising failed ({why})",
-    "ghost": lambda why: f"the ghost strategy cannot handle this call ({why})",
-    "chunked": lambda why: f"the chunked strategy failed ({why})",
 }
