@@ -21,6 +21,7 @@ jax = pytest.importorskip("jax", reason="the JAX ghost strategy needs jax instal
 import jax.numpy as jnp  # noqa: E402
 
 import pergrad  # noqa: E402
+from pergrad._src.capture import jax_contractions  # noqa: E402
 from pergrad._src.core.reductions import (  # noqa: E402
     choose_strategy,
     clipped_sum_of,
@@ -423,8 +424,8 @@ def test_dense_rule_picks_gram_or_formed_by_cost():
     d = jnp.ones((2, 3, 100))
     long_a, long_d = jnp.ones((2, 300, 4)), jnp.ones((2, 300, 5))
     # both give |sum_t a_t d_t^T|^2 = (T^2) K F for all-ones inputs
-    assert_close(jax_ghost._dense_squared_norms(a, d), np.full(2, 9.0 * 100 * 100))
-    assert_close(jax_ghost._dense_squared_norms(long_a, long_d), np.full(2, 300.0**2 * 20))
+    assert_close(jax_contractions._dense_squared_norms(a, d), np.full(2, 9.0 * 100 * 100))
+    assert_close(jax_contractions._dense_squared_norms(long_a, long_d), np.full(2, 300.0**2 * 20))
 
 
 # --- per-group clipping ---------------------------------------------------------------------

@@ -8,8 +8,11 @@ contraction (``dot_general``: dense layers, attention projections, einsums;
 after layout ops (``transpose``, ``reshape``, a dtype cast): its :class:`Site`.
 :func:`evaluate` runs the jaxpr with a zero "probe" added to the output of each site and the
 site's other operand (the layer input) kept, so that the gradient with respect to a probe is
-the contraction's output cotangent. These records, per site (layer input, output cotangent), are
-what the reductions of ``strategies/ghost_jax.py`` work from, as the PyTorch rules work from
+the contraction's output cotangent. :func:`records` does that in one vectorised forward and
+backward pass over the batch: per site, the layer input and output cotangent of every example
+(the leaves with a site are not differentiated, so no ``B x P`` weight gradient is formed), and
+per-example gradients of the leaves without one. The contraction rules (``jax_rules.py``,
+``jax_contractions.py``) reduce those records, as the PyTorch layer rules reduce
 ``torch_engine``'s. Calls of ``jax.jit``-ed functions inside the loss are looked into;
 everything else is evaluated as the primitive it is.
 """
@@ -243,3 +246,71 @@ def describe(ghost_plan: JaxGhostPlan, names: Sequence[str]) -> tuple[dict[str, 
     layers = {names[k]: site.kind for k, site in sorted(ghost_plan.sites.items())}
     other = {names[k]: why for k, why in sorted(ghost_plan.other.items())}
     return layers, other
+
+
+@dataclass(frozen=True)
+class JaxRecords:
+    """What one batched pass recorded, by differentiated leaf (the core's flat order).
+
+    Attributes:
+      values: every differentiated leaf's value.
+      sites: leaf -> its :class:`Site` (the leaves with a contraction).
+      inputs: leaf -> the site's other operand, per example: ``(B, *operand_shape)``.
+      cotangents: leaf -> the contraction's output cotangent, per example: ``(B, *out_shape)``.
+      grads: leaf -> per-example gradients ``(B, *leaf_shape)`` of the leaves without a site.
+    """
+
+    values: tuple[Any, ...]
+    sites: dict[int, Site]
+    inputs: dict[int, Any]
+    cotangents: dict[int, Any]
+    grads: dict[int, Any]
+
+
+def records(call: Call, ghost_plan: JaxGhostPlan) -> JaxRecords:
+    """One vectorised forward and backward pass over the batch: each site's layer input and
+    output cotangent per example, and the per-example gradients of the other leaves."""
+    bk = call.backend
+    batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
+    diff = bk.match_varying(tuple(call.leaves[i][j] for i, j in call.diff_positions), batched)
+    site_leaves = sorted(ghost_plan.sites)
+    other_leaves = sorted(ghost_plan.other)
+    closed = ghost_plan.jaxpr
+    site_paths = {ghost_plan.sites[k].path: ghost_plan.sites[k] for k in site_leaves}
+    prefixes = ghost_plan.prefixes
+
+    def loss_of_one(other_values: tuple[Any, ...], probes: dict, example: tuple) -> Any:
+        values = list(diff)
+        for k, value in zip(other_leaves, other_values):
+            values[k] = value
+        inputs = flatten_inputs(closed, values, example)
+        kept: dict[tuple[int, ...], Any] = {}
+        (loss,) = evaluate(
+            closed.jaxpr, closed.consts, inputs, (), site_paths, prefixes, probes, kept
+        )
+        return loss, kept
+
+    probes = {
+        path: jnp.zeros(
+            (call.batch_size, *site.eqn.outvars[0].aval.shape), site.eqn.outvars[0].aval.dtype
+        )
+        for path, site in site_paths.items()
+    }
+    grad_of_one = jax.grad(loss_of_one, argnums=(0, 1), has_aux=True)
+    other_values = tuple(diff[k] for k in other_leaves)
+    try:
+        (other_grads, cotangents), inputs = jax.vmap(grad_of_one, in_axes=(None, 0, 0))(
+            other_values, probes, batched
+        )
+    except Exception as err:  # noqa: BLE001 - any failure means "not this way"
+        raise GhostUnsupported(
+            f"evaluating the traced loss failed ({type(err).__name__}: {err})"
+        ) from err
+    sites = {k: ghost_plan.sites[k] for k in site_leaves}
+    return JaxRecords(
+        values=tuple(diff),
+        sites=sites,
+        inputs={k: inputs[site.path] for k, site in sites.items()},
+        cotangents={k: cotangents[site.path] for k, site in sites.items()},
+        grads=dict(zip(other_leaves, other_grads)),
+    )

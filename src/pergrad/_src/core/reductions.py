@@ -239,6 +239,41 @@ def private_grad_of(
     return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size), clipped
 
 
+def layer_reductions_of(
+    fn: Callable[..., Any],
+    *args: Any,
+    reduction: str,
+    reduction_args: tuple[Any, ...] = (),
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+) -> list[Any]:
+    """A plug-in per-layer reduction of each example's gradient, from one captured pass.
+
+    Internal (the entry point of features built on plug-in reductions, such as a per-layer
+    Kronecker projection for attribution). ``fn``, ``args``, ``argnums``, ``in_axes``: as for
+    :func:`per_example_norms_of`. ``reduction``: the name a plug-in was registered under
+    (``capture/rules.py`` for PyTorch layer families, ``capture/jax_rules.py`` for JAX
+    contraction kinds), called with ``reduction_args`` after the records.
+
+    Returns one :class:`~pergrad._src.strategies.protocol.LeafReduction` per differentiated
+    leaf, in the core's flat order: the plug-in's values where the leaf's layer has it, else
+    the leaf's per-example gradients.
+    """
+    if not isinstance(reduction, str):
+        raise PergradTypeError(
+            f"layer_reductions_of: reduction must be the name of a registered plug-in "
+            f"reduction; got {type(reduction).__name__}."
+        )
+    spec = Spec.create("layer_reductions_of", fn, argnums, in_axes, False, None, None, None)
+    call = analyse_call(spec, args)
+
+    def materialize() -> Any:
+        return per_example_grads(fn, argnums, in_axes)(*args)
+
+    request = ReduceRequest(spec, call, fn, args, None, materialize)
+    return registry.layerwise(request, reduction, tuple(reduction_args))
+
+
 def choose_strategy(
     fn: Callable[..., Any],
     *args: Any,

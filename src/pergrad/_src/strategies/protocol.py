@@ -37,6 +37,20 @@ class Reduction(NamedTuple):
     weighted_sums: list[Any] | None
 
 
+class LeafReduction(NamedTuple):
+    """One differentiated leaf's result of a plug-in reduction over one captured pass.
+
+    Attributes:
+      value: the plug-in's per-example values where ``reduced``; otherwise the leaf's
+        ``(B, *leaf.shape)`` per-example gradients (its layer or contraction lacks the plug-in,
+        or is not captured), which the caller reduces itself.
+      reduced: which of the two ``value`` is.
+    """
+
+    value: Any
+    reduced: bool
+
+
 class Unsupported(Exception):
     """Raised by :meth:`Strategy.run` when it finds, while running, that it cannot take a call;
     the message says why (it is shown to the user)."""

@@ -231,6 +231,23 @@ def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
         raise Unsupported(str(err)) from err
 
 
+def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> list[Any]:
+    """Plug-in reduction ``reduction`` of each differentiated leaf over one captured pass
+    (:class:`LeafReduction` per leaf, in the core's flat order): the capture engine of the
+    call's framework runs once, and each layer (PyTorch) or contraction (JAX) whose rule has
+    the plug-in reduces its records; the other leaves come back as per-example gradients."""
+    if request.call.backend.name == "jax":
+        from pergrad._src.capture.jax_engine import plan
+        from pergrad._src.strategies import ghost_jax
+
+        found = plan(request.spec, request.call)
+        return ghost_jax.layerwise(request.call, found, reduction, args)
+    raise PergradValueError(
+        f"{request.spec.func_name}: plug-in reductions run on JAX losses so far; got a "
+        f"{request.call.backend.name} loss."
+    )
+
+
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "vmap",

@@ -1,0 +1,192 @@
+"""The JAX contraction rules: per-example squared norms and weighted sums of a leaf, from the
+layer input and output cotangent that the capture engine recorded at its contraction.
+
+Registered by kind in ``jax_rules.py``:
+
+- ``"dense"`` (a ``dot_general`` without batch dimensions): for a layer on one vector,
+  ``|a|^2 |dz|^2`` (Goodfellow 2015); on a sequence, the formed per-example ``A^T D``, or under
+  ``jax_enable_x64`` the Gram form ``<A A^T, D D^T>`` (Li et al. 2021) in float64 when it costs
+  less (in float32 it rounds badly where per-position gradients cancel);
+- ``"embedding"`` (a row-lookup ``gather``): the cotangents of the positions reading the same row
+  summed, then squared;
+- ``"conv"``, and a ``dot_general`` with batch dimensions: the contraction's own transpose applied
+  to one example at a time (a kernel-sized gradient per example, not a model-sized one).
+
+The weighted sum ``sum_i w_i g_i`` of every kind is the same transpose applied once to the whole
+batch with cotangents ``w_i dz_i``: no second backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pergrad._src.capture.jax_engine import Site, apply_chain, contract
+from pergrad._src.capture.jax_rules import register
+
+_EXACT = jax.lax.Precision.HIGHEST  # no TF32 / bfloat16 passes for the norms on a GPU or TPU
+
+
+def _wide(x: Any) -> Any:
+    """``x`` in at least float32 (integers and float16/bfloat16 included): squares and Gram
+    matrices of activations overflow float16 and wrap in integer dtypes."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def weighted_sum(site: Site, param: Any, inputs: Any, cotangents: Any, weights: Any) -> Any:
+    """``sum_i w_i g_i`` of one leaf: the contraction's transpose over the whole batch, with
+    each example's cotangent scaled by its weight."""
+    operand, chain_transpose = jax.vjp(lambda p: apply_chain(site, p), param)
+    scaled = cotangents * weights.astype(cotangents.dtype).reshape(
+        (-1,) + (1,) * (cotangents.ndim - 1)
+    )
+    batched = jax.vmap(lambda x, w: contract(site, x, w), in_axes=(0, None))
+    _, transpose = jax.vjp(lambda w: batched(inputs, w), operand)
+    (summed,) = transpose(scaled)
+    (grad,) = chain_transpose(summed)
+    return grad
+
+
+def per_example(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
+    """``(B, *param.shape)``: the contraction's transpose applied to one example at a time."""
+    operand, chain_transpose = jax.vjp(lambda p: apply_chain(site, p), param)
+
+    def gradient_of_one(layer_input: Any, cotangent: Any) -> Any:
+        _, transpose = jax.vjp(lambda w: contract(site, layer_input, w), operand)
+        (g,) = transpose(cotangent)
+        (grad,) = chain_transpose(g)
+        return grad
+
+    return jax.vmap(gradient_of_one)(inputs, cotangents)
+
+
+def per_example_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
+    """``(B,)`` squared norms from the contraction's transpose applied to one example at a time:
+    a kernel-sized gradient per example (convolutions, batched einsums)."""
+    operand = apply_chain(site, param)
+
+    def gradient_of_one(layer_input: Any, cotangent: Any) -> Any:
+        _, transpose = jax.vjp(lambda w: contract(site, layer_input, w), operand)
+        (g,) = transpose(cotangent)
+        return (_wide(g) ** 2).sum()
+
+    return jax.vmap(gradient_of_one)(inputs, cotangents).astype(param.dtype)
+
+
+# Norms are computed in at least float32 and returned in the parameter's dtype, as the
+# reference's (g**2).sum() of the parameter-dtype per-example gradients.
+
+
+@register("dense", per_example, weighted_sum)
+def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
+    """A dense contraction: ``|A_i^T D_i|^2`` from the factors; with batch dimensions (an
+    attention-style einsum over the parameter), one example at a time."""
+    factors = dense_factors(site, inputs, cotangents)
+    if factors is None:
+        return per_example_squared_norms(site, param, inputs, cotangents)
+    return _dense_squared_norms(*(_wide(f) for f in factors)).astype(param.dtype)
+
+
+register("conv", per_example, weighted_sum)(per_example_squared_norms)
+
+
+@register("embedding", per_example, weighted_sum)
+def embedding_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
+    """A row lookup: the cotangents of one example's positions reading one row, summed, squared."""
+    return _embedding_squared_norms(site, inputs, cotangents).astype(param.dtype)
+
+
+def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] | None:
+    """For a ``dot_general`` without batch dimensions: the input as ``(B, T, K)`` and the
+    cotangent as ``(B, T, F)`` (``T``: the input's free positions, ``K``: contracted, ``F``: the
+    parameter's free dimensions), whose per-example product ``A^T D`` is the gradient up to a
+    permutation. None for any other contraction."""
+    if site.kind != "dense":
+        return None
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = site.eqn.params["dimension_numbers"]
+    if lhs_batch or rhs_batch:
+        return None
+    input_rank = inputs.ndim - 1
+    contracted = lhs_contract if site.param_operand == 1 else rhs_contract
+    free = [d for d in range(input_rank) if d not in contracted]
+    order = [0] + [1 + d for d in free] + [1 + d for d in contracted]
+    positions = math.prod(inputs.shape[1 + d] for d in free)
+    a = inputs.transpose(order).reshape(inputs.shape[0], positions, -1)
+    # dot_general's output: the lhs's free dimensions, then the rhs's.
+    n_free = len(free)
+    out_rank = cotangents.ndim - 1
+    if site.param_operand == 1:
+        d = cotangents
+    else:
+        param_free = out_rank - n_free
+        order = [0] + list(range(1 + param_free, 1 + out_rank)) + list(range(1, 1 + param_free))
+        d = cotangents.transpose(order)
+    d = d.reshape(cotangents.shape[0], positions, -1)
+    return a, d
+
+
+def _dense_squared_norms(a: Any, d: Any) -> Any:
+    """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``.
+
+    Gram matrices (``T x T``, cheaper than the ``K x F`` gradient when ``T (K + F) <= K F``)
+    are used only in float64, that is with ``jax_enable_x64`` on: their sum
+    ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` rounds with an error of ``eps (sum_t |a_t| |d_t|)^2``,
+    and in float32 (TF32 on a GPU by default) a gradient whose positions nearly cancel came out
+    30% too small or negative, which lets a clipped example exceed the bound. Otherwise the
+    gradient is formed, with the rounding of the materialised per-example gradients.
+    """
+    _, positions, k = a.shape
+    f = d.shape[2]
+    if positions == 1:
+        return (a[:, 0] ** 2).sum(axis=1) * (d[:, 0] ** 2).sum(axis=1)
+    if positions * (k + f) <= k * f and jax.config.jax_enable_x64:
+        wide_a, wide_d = a.astype(jnp.float64), d.astype(jnp.float64)
+        gram_a = jnp.einsum("btk,bsk->bts", wide_a, wide_a, precision=_EXACT)
+        gram_d = jnp.einsum("btf,bsf->bts", wide_d, wide_d, precision=_EXACT)
+        return (gram_a * gram_d).sum(axis=(1, 2)).astype(a.dtype)
+    formed = jnp.einsum("btk,btf->bkf", a, d, precision=_EXACT)
+    return (formed**2).sum(axis=(1, 2))
+
+
+def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
+    """``(B,)`` squared norms of a looked-up table's gradients: rows read at positions ``t`` and
+    ``s`` add up when the ids are equal, so ``|g|^2 = sum_{t,s} [id_t = id_s] dz_t . dz_s``."""
+    batch = ids.shape[0]
+    rows = site.eqn.invars[0].aval.shape[0]
+    row_column = tuple(site.eqn.params["dimension_numbers"].start_index_map).index(0)
+    ids = ids[..., row_column].reshape(batch, -1)
+    if jnp.dtype(ids.dtype).itemsize < 4:  # rows - 1 may not fit in int8 / uint8 / int16
+        ids = ids.astype(jnp.int32)
+    d = _wide(cotangents.reshape(batch, ids.shape[1], -1))
+    mode = site.eqn.params["mode"]
+    if mode in (
+        jax.lax.GatherScatterMode.FILL_OR_DROP,
+        jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    ):
+        # FILL_OR_DROP reads the fill value; PROMISE_IN_BOUNDS reads a clamped row, but the
+        # gradient's scatter-add (same mode) drops out-of-range updates: no row either way.
+        # Selected, not multiplied: the cotangent of a dropped position may be inf or nan
+        # (a zero fill row under a norm or a sqrt), which the scatter drops but 0 * nan is not
+        valid = (ids >= 0) & (ids < rows)
+        d = jnp.where(valid[:, :, None], d, 0)
+    else:
+        ids = jnp.clip(ids, 0, rows - 1)
+    # The cotangents of the positions that read the same row of one example are summed (sorted
+    # by (example, row), one segment per distinct pair), then squared: no Gram matrix
+    # sum_{t,s} [id_t = id_s] dz_t . dz_s, whose rounding can exceed the norm when they cancel.
+    positions = ids.shape[1]
+    example = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape).reshape(-1)
+    ids = ids.reshape(-1)
+    order = jnp.lexsort((ids, example))
+    ids, example = ids[order], example[order]
+    starts = jnp.concatenate(
+        [jnp.ones(1, bool), (ids[1:] != ids[:-1]) | (example[1:] != example[:-1])]
+    )
+    segment = jnp.cumsum(starts) - 1
+    count = batch * positions
+    sums = jax.ops.segment_sum(d.reshape(count, -1)[order], segment, num_segments=count)
+    owner = jnp.zeros(count, example.dtype).at[segment].set(example)
+    return jax.ops.segment_sum((sums**2).sum(axis=1), owner, num_segments=batch)
