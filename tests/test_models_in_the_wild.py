@@ -274,13 +274,17 @@ def test_later_calls_reuse_the_strategy_without_warning():
     loss = pergrad.module_loss(model, F.cross_entropy)
     fn = pergrad.per_example_grads(loss)
     X, Y = data(5)
-    with pytest.warns(pergrad.FallbackWarning):
+    with pytest.warns(pergrad.FallbackWarning) as caught:
         fn(loss.params(), X, Y)
+    # the reason is the warning's: what vmap could not do
+    assert fn.last_strategy == "hooks" and fn.last_strategy.reason
+    assert fn.last_strategy.reason in str(caught[0].message)
     X2, Y2 = data(6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         grads = fn(loss.params(), X2, Y2)
     assert fn.last_strategy == "hooks"
+    assert fn.last_strategy.reason.startswith("an earlier call of this function fell back")
     assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [X2], [Y2]))
 
 
@@ -291,7 +295,7 @@ def test_hooks_chunked_and_value_and_grads():
     X, Y = torch.randn(7, 5), torch.randint(0, 3, (7,))
     fn = pergrad.value_and_per_example_grads(loss, strategy="hooks", chunk_size=3)
     losses, grads = fn(loss.params(), X, Y)
-    assert fn.last_strategy == "hooks"
+    assert fn.last_strategy == "hooks" and fn.last_strategy.reason == "requested"
     want_losses = torch.stack(
         [F.cross_entropy(model(X[i : i + 1]), Y[i : i + 1]) for i in range(7)]
     ).detach()

@@ -31,6 +31,24 @@ from pergrad._src.strategies import registry
 from pergrad._src.strategies.protocol import GradsRequest
 
 
+class LastStrategy(str):
+    """The strategy the last call ran (``"vmap"``, ``"hooks"`` or ``"loop"``), a string, with
+    ``reason``: why, in words (``"requested"``; what made "auto" fall back, say)."""
+
+    reason: str
+
+    def __new__(cls, name: str, reason: str) -> LastStrategy:
+        value = super().__new__(cls, name)
+        value.reason = reason
+        return value
+
+    @classmethod
+    def of(cls, spec: Spec) -> LastStrategy | None:
+        if spec.last_strategy is None:
+            return None
+        return cls(spec.last_strategy, spec.last_reason or "")
+
+
 def per_example_grads(
     fn: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -94,7 +112,7 @@ def per_example_grads(
     @functools.wraps(fn)
     def per_example_grads_fn(*args: Any, **kwargs: Any) -> Any:
         value, grads = _compute(spec, args, kwargs)
-        per_example_grads_fn.last_strategy = spec.last_strategy  # type: ignore[attr-defined]
+        per_example_grads_fn.last_strategy = LastStrategy.of(spec)  # type: ignore[attr-defined]
         return (grads, value[1]) if has_aux else grads
 
     per_example_grads_fn.last_strategy = None  # type: ignore[attr-defined]
@@ -132,7 +150,7 @@ def value_and_per_example_grads(
     @functools.wraps(fn)
     def value_and_per_example_grads_fn(*args: Any, **kwargs: Any) -> Any:
         out = _compute(spec, args, kwargs)
-        value_and_per_example_grads_fn.last_strategy = spec.last_strategy  # type: ignore[attr-defined]
+        value_and_per_example_grads_fn.last_strategy = LastStrategy.of(spec)  # type: ignore[attr-defined]
         return out
 
     value_and_per_example_grads_fn.last_strategy = None  # type: ignore[attr-defined]

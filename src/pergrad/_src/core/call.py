@@ -69,6 +69,9 @@ class Spec:
     # Layouts (torch_checks.layout_key) whose first-call checks the hooks strategy has done.
     hooks_checked: set[Any] = field(default_factory=set, repr=False, compare=False)
     last_strategy: str | None = field(default=None)
+    # Why the last call ran last_strategy, and why "auto" settled on `resolved` (the registry).
+    last_reason: str | None = field(default=None)
+    resolved_reason: str | None = field(default=None)
     # What analyse_call decided for each structure of the arguments seen so far (see analyse_call).
     layouts: dict[Any, _Layout] = field(default_factory=dict, repr=False, compare=False)
     # The vectorised function of each backend (see vectorised).

@@ -114,7 +114,7 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
         chosen, _ = select(task, request, requested)
     strategy = _BY_NAME[task][chosen.strategy]
     try:
-        return strategy.run(request, chosen)
+        out = strategy.run(request, chosen)
     except Unsupported as err:
         if requested != "auto":
             raise PergradValueError(
@@ -122,6 +122,12 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
                 f"{err}. {strategy.instead}"
             ) from err
         failures = [strategy.failure.format(why=err)]
+    else:
+        spec = request.spec
+        if task == "grads":
+            settled = requested == "auto" and spec.resolved == chosen.strategy
+            spec.last_reason = spec.resolved_reason if settled else chosen.why
+        return out
     order = list(ORDER[task])
     for name in order[order.index(strategy.name) + 1 :]:
         candidate = _BY_NAME[task][name]
@@ -139,7 +145,11 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
             f"instead: {candidate.fallback_note}"
         )
         if task == "grads":
-            request.spec.resolved = name
+            spec = request.spec
+            spec.resolved, spec.last_reason = name, "; ".join(failures)
+            spec.resolved_reason = "an earlier call of this function fell back to it: " + (
+                spec.last_reason
+            )
         return out
     raise AssertionError(f"the last {task} strategy of ORDER runs every call")  # pragma: no cover
 
