@@ -75,7 +75,9 @@ def vectorised(spec: Spec, bk: Backend) -> Callable[..., Any]:
 
 def assess(request: GradsRequest, forced: bool, refused: dict[str, Assessment]) -> Assessment:
     """Always worth trying: whether the framework can batch fn shows only by running it."""
-    return Assessment("vmap", True, "requested" if forced else "auto's first choice: the framework's vmap of fn")
+    return Assessment(
+        "vmap", True, "requested" if forced else "auto's first choice: the framework's vmap of fn"
+    )
 
 
 def run(request: GradsRequest, _: Assessment) -> Any:
