@@ -39,20 +39,23 @@ def train(x, y):
 
 
 def example_loss(params, x, y):
-    """The loss of ONE example, regulariser included (so the Hessian includes it)."""
+    """The DATA loss of ONE example: the regulariser is passed on its own (weight_decay)."""
     import torch
 
     logits = x @ params["w"] + params["b"]
-    penalty = 0.5 * L2 * (params["w"] ** 2).sum()
-    return torch.nn.functional.cross_entropy(logits[None], y[None]) + penalty
+    return torch.nn.functional.cross_entropy(logits[None], y[None])
+
+
+def weight_decay(params):
+    """The training regulariser: in the Hessian of the influence function, in no gradient."""
+    return 0.5 * L2 * (params["w"] ** 2).sum()
 
 
 def batch_loss(params, x, y):
     import torch
 
     logits = x @ params["w"] + params["b"]
-    penalty = 0.5 * L2 * (params["w"] ** 2).sum()
-    return torch.nn.functional.cross_entropy(logits, y) + penalty
+    return torch.nn.functional.cross_entropy(logits, y) + weight_decay(params)
 
 
 def draw_grid(path, x_train, y_train, x_test, y_test, predicted, chosen, scores, top):
@@ -110,6 +113,7 @@ def main() -> None:
         (xt_test[chosen], yt_test[chosen]),
         damping=1e-3,
         solver="cg",
+        regularizer=weight_decay,
     ).numpy()
     for column, j in enumerate(chosen):
         helpful = np.argsort(-scores[:, column])[: args.top]

@@ -57,6 +57,8 @@ def top_k(
     k: int = 10,
     method: str = "influence",
     *,
+    target_fn: Callable[..., Any] | None = None,
+    regularizer: Callable[[Any], Any] | None = None,
     hessian_batch: Sequence[Any] | None = None,
     damping: float = 0.0,
     solver: Any = "cg",
@@ -76,7 +78,10 @@ def top_k(
       method: ``"influence"`` (scores of :func:`influence_function`; needs ``hessian_batch``,
         a batch that stands for the training set's Hessian), ``"dot"`` or ``"cosine"`` of the
         gradients.
-      hessian_batch, damping, solver: for ``"influence"`` (the test side is solved once).
+      target_fn: the function of one test example whose gradient is scored; default ``fn``
+        (as for :func:`influence_function`).
+      regularizer, hessian_batch, damping, solver: for ``"influence"``, as for
+        :func:`influence_function` (the test side is solved once).
       chunk_size: per-example gradients of this many examples at a time within a batch.
       progress: show a tqdm progress bar (default: when tqdm is installed).
       offset: the global index of the first streamed example, for a shard of a larger
@@ -98,15 +103,16 @@ def top_k(
     _check_offset(name, offset)
     if method not in _METHODS:
         raise PergradValueError(f"{name}: method must be one of {list(_METHODS)}; got {method!r}.")
-    loss = FlatLoss.create(name, fn, params, chunk_size)
+    loss = FlatLoss.create(name, fn, params, chunk_size, regularizer=regularizer)
     test, _ = check_batch(name, "test_batch", loss.backend, test_batch)
-    rows = _test_rows(name, loss, test, method, hessian_batch, damping, solver)
+    rows = _test_rows(name, loss, target_fn, test, method, hessian_batch, damping, solver)
     best = _Running(k, largest=True)
     worst = _Running(k, largest=False)
     seen = 0
     for batch in _with_progress(train_batches, progress):
         batch, count = check_batch(name, "each training batch", loss.backend, batch)
-        check_same_arity(name, batch, "a training batch", test, "test_batch")
+        if target_fn is None:
+            check_same_arity(name, batch, "a training batch", test, "test_batch")
         scores = loss.backend.to_numpy(_scores(loss, batch, count, rows, method))
         best.update(scores, offset + seen)
         worst.update(scores, offset + seen)
@@ -116,8 +122,8 @@ def top_k(
     return TopK(*best.result(), *worst.result(), num_train=seen, k=k)
 
 
-def _test_rows(name, loss, test, method, hessian_batch, damping, solver) -> Any:
-    grads = loss.grads(test)
+def _test_rows(name, loss, target_fn, test, method, hessian_batch, damping, solver) -> Any:
+    grads = loss.target(target_fn).grads(test)
     if method == "cosine":
         return grads / ((grads**2).sum(1, keepdims=True) ** 0.5 + 1e-12)
     if method == "dot":
