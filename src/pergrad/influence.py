@@ -18,9 +18,13 @@ A training set split over processes or devices: score each shard with ``top_k(..
 (or :func:`top_k_from_scores` on scores of projected gradients), then :func:`merge_top_k` the
 shards' results (or :func:`all_gather_top_k` over ``torch.distributed``); the merged result
 equals the single-process one, ties included.
+
+To measure how good a method's scores are, retrain on random half-size subsets
+(:func:`lds_subsets`) and compute the linear datamodeling score, :func:`lds`.
 """
 
 from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.projection import project
 from pergrad._src.influence.scores import (
     grad_cosine,
@@ -49,6 +53,8 @@ __all__ = [
     "grad_dot",
     "influence_function",
     "inverse_hvp",
+    "lds",
+    "lds_subsets",
     "merge_top_k",
     "project",
     "self_influence",
