@@ -144,6 +144,13 @@ class Backend(Protocol):
     def eigh(self, matrix: Any) -> tuple[Any, Any]:
         """Eigenvalues (ascending) and eigenvectors (columns) of a symmetric matrix."""
 
+    def cholesky(self, matrix: Any) -> Any | None:
+        """The lower Cholesky factor of a symmetric matrix, or None where it is not positive
+        definite (to the precision of its dtype)."""
+
+    def cholesky_solve(self, factor: Any, rows: Any) -> Any:
+        """``(k, n)`` rows ``x_j = A^-1 rows[j]`` for ``A = factor @ factor.T``."""
+
     def concatenate(self, xs: Sequence[Any], axis: int) -> Any: ...
 
     def stop_gradient(self, x: Any) -> Any:

@@ -163,6 +163,15 @@ class JaxBackend:
     def eigh(self, matrix: Any) -> tuple[Any, Any]:
         return jnp.linalg.eigh(matrix)
 
+    def cholesky(self, matrix: Any) -> Any | None:
+        factor = jnp.linalg.cholesky(matrix)  # NaN where not positive definite
+        return factor if bool(jnp.isfinite(factor).all()) else None
+
+    def cholesky_solve(self, factor: Any, rows: Any) -> Any:
+        from jax.scipy.linalg import cho_solve
+
+        return cho_solve((factor, True), rows.T).T
+
     def concatenate(self, xs: Sequence[Any], axis: int) -> Any:
         return jnp.concatenate(list(xs), axis=axis)
 

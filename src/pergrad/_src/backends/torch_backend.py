@@ -206,6 +206,13 @@ class TorchBackend:
     def eigh(self, matrix: Any) -> tuple[Any, Any]:
         return torch.linalg.eigh(matrix)
 
+    def cholesky(self, matrix: Any) -> Any | None:
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        return factor if int(info) == 0 and bool(torch.isfinite(factor).all()) else None
+
+    def cholesky_solve(self, factor: Any, rows: Any) -> Any:
+        return torch.cholesky_solve(rows.T, factor).T
+
     def concatenate(self, xs: Sequence[Any], axis: int) -> Any:
         return torch.cat(list(xs), dim=axis)
 

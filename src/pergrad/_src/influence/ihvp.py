@@ -6,9 +6,11 @@ on rows: ``k`` vectors are a ``(k, P)`` array, solved together.
 
 Three solvers, each a small frozen dataclass of its options:
 
-* :class:`Exact`: materialise ``H`` (``P`` Hessian-vector products, in blocks), take its
-  eigendecomposition and invert the shifted eigenvalues. For small models (``P`` up to a few
-  thousand); it also tells when ``H + damping I`` is singular or indefinite.
+* :class:`Exact`: materialise ``H`` (``P`` Hessian-vector products, in blocks) and factorise
+  ``H + damping I`` by Cholesky when it is positive definite well above rounding; otherwise
+  (and for a grid of dampings, one eigendecomposition for all) invert the shifted eigenvalues,
+  which also tells when ``H + damping I`` is singular or indefinite. For small models (``P`` up
+  to a few thousand).
 * :class:`CG`: conjugate gradient, one independent recursion per vector, run in lockstep.
   Needs ``H + damping I`` positive definite.
 * :class:`LiSSA`: the stochastic Neumann series of Agarwal et al. (2017), as used by Koh &
@@ -17,6 +19,7 @@ Three solvers, each a small frozen dataclass of its options:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -55,7 +58,9 @@ class Exact:
       block_size: how many Hessian rows (Hessian-vector products) to compute at once; bounds
         memory at ``block_size`` times that of one Hessian-vector product.
 
-    Cost: ``P`` Hessian-vector products, ``P x P`` memory and one ``O(P^3)`` eigendecomposition.
+    Cost: ``P`` Hessian-vector products, ``P x P`` memory, and one Cholesky factorisation
+    (``P^3 / 3``) when ``H + damping I`` is positive definite, else one eigendecomposition
+    (several times that), which a grid of dampings shares.
     """
 
     block_size: int = 256
@@ -225,6 +230,34 @@ def solve(func_name: str, operator: HessianOperator, rows: Any, solver: Solver) 
     return _lissa(func_name, operator, rows, solver)
 
 
+def solve_grid(
+    func_name: str, operator: HessianOperator, rows: Any, solver: Solver, dampings: list[float]
+) -> list[Any]:
+    """``solve`` for each damping of a grid: the exact solver shares one Hessian and one
+    eigendecomposition; the iterative ones run once per damping."""
+    if len(dampings) == 1:
+        return [solve(func_name, dataclasses.replace(operator, damping=dampings[0]), rows, solver)]
+    if isinstance(solver, Exact):
+        return exact_solutions(
+            func_name, operator, rows, hessian_matrix(operator, solver), dampings
+        )
+    return [
+        solve(func_name, dataclasses.replace(operator, damping=d), rows, solver) for d in dampings
+    ]
+
+
+def check_dampings(func_name: str, damping: Any) -> list[float] | None:
+    """A grid of dampings (a list or tuple of them, non-empty) checked, or None for one."""
+    if not isinstance(damping, (list, tuple)):
+        return None
+    if not damping:
+        raise PergradValueError(
+            f"{func_name}: damping must be a number >= 0 or a non-empty list of them; got an "
+            f"empty {type(damping).__name__}."
+        )
+    return [check_damping(func_name, d) for d in damping]
+
+
 def as_backend_array(bk: Backend, values: np.ndarray, like: Any) -> Any:
     """numpy ``values`` as an array of ``like``'s framework, dtype and device."""
     return bk.from_numpy(np.asarray(values, dtype=np.dtype(bk.dtype_name(like))), like)
@@ -234,7 +267,9 @@ def _row_norms(bk: Backend, rows: Any) -> np.ndarray:
     return np.sqrt(bk.to_numpy((rows * rows).sum(1)).astype(np.float64))
 
 
-def _exact(func_name: str, operator: HessianOperator, rows: Any, solver: Exact) -> Any:
+def hessian_matrix(operator: HessianOperator, solver: Exact) -> Any:
+    """The ``P x P`` Hessian (no damping), from ``P`` Hessian-vector products in blocks,
+    symmetrised."""
     bk, size = operator.backend, operator.size
     identity = bk.eye(size, operator.vector)
     blocks = [
@@ -242,32 +277,93 @@ def _exact(func_name: str, operator: HessianOperator, rows: Any, solver: Exact) 
         for start in range(0, size, solver.block_size)
     ]
     hessian = bk.concatenate(blocks, axis=0)
-    eigenvalues, eigenvectors = bk.eigh((hessian + hessian.T) * 0.5)
-    shifted = eigenvalues + operator.damping
-    _check_spectrum(func_name, bk.to_numpy(shifted).astype(np.float64), bk.dtype_name(rows))
-    return ((rows @ eigenvectors) / shifted) @ eigenvectors.T
+    return (hessian + hessian.T) * 0.5
 
 
-def _check_spectrum(func_name: str, shifted: np.ndarray, dtype_name: str) -> None:
-    """Refuse a singular ``H + damping I``; warn about an indefinite one."""
+def _exact(func_name: str, operator: HessianOperator, rows: Any, solver: Exact) -> Any:
+    """One damping: a Cholesky factorisation of ``H + damping I`` when it is positive definite
+    well above rounding (about 1/20 of an eigendecomposition's cost); otherwise the
+    eigendecomposition, which diagnoses a singular or indefinite system."""
+    bk = operator.backend
+    hessian = hessian_matrix(operator, solver)
+    system = hessian + operator.damping * bk.eye(operator.size, hessian)
+    factor = bk.cholesky(system)
+    if factor is not None and _well_above_rounding(bk, system, factor, bk.dtype_name(rows)):
+        return bk.cholesky_solve(factor, rows)
+    return exact_solutions(func_name, operator, rows, hessian, [operator.damping])[0]
+
+
+def exact_solutions(
+    func_name: str, operator: HessianOperator, rows: Any, hessian: Any, dampings: list[float]
+) -> list[Any]:
+    """``(H + d I)^-1 rows`` for each damping ``d`` from ONE eigendecomposition of ``H``, each
+    system's spectrum checked (a singular one refused, an indefinite one warned about)."""
+    bk = operator.backend
+    eigenvalues, eigenvectors = bk.eigh(hessian)
+    projected = rows @ eigenvectors
+    solutions = []
+    for damping in dampings:
+        shifted = eigenvalues + damping
+        _check_spectrum(
+            func_name, bk.to_numpy(shifted).astype(np.float64), bk.dtype_name(rows), damping
+        )
+        solutions.append((projected / shifted) @ eigenvectors.T)
+    return solutions
+
+
+def _well_above_rounding(bk: Backend, system: Any, factor: Any, dtype_name: str) -> bool:
+    """Whether the smallest eigenvalue of a positive-definite ``system`` (factored) stands
+    clear of the rounding of its largest: both estimated by 30 steps of (inverse) power
+    iteration, with a factor of 10 of margin for the estimates."""
+    size = bk.shape(system)[0]
+    start = np.random.default_rng(0).standard_normal((1, size))
+    vector = as_backend_array(bk, start / np.linalg.norm(start), system)
+    largest = smallest_inverse = 0.0
+    up, down = vector, vector
+    for _ in range(30):
+        up = up @ system
+        largest = float(_row_norms(bk, up)[0])
+        down = bk.cholesky_solve(factor, down)
+        smallest_inverse = float(_row_norms(bk, down)[0])
+        if not (largest > 0 and np.isfinite(smallest_inverse) and smallest_inverse > 0):
+            return False
+        up, down = up / largest, down / smallest_inverse
+    resolution = size * np.finfo(np.dtype(dtype_name)).eps * largest
+    return 1.0 / smallest_inverse > 10 * resolution
+
+
+def _check_spectrum(func_name: str, shifted: np.ndarray, dtype_name: str, damping: float) -> None:
+    """Refuse a singular ``H + damping I``; warn about an indefinite one.
+
+    An eigenvalue is zero "to precision" when it is within ``P eps |lambda_max|`` of zero, the
+    rounding of the computed Hessian's spectrum. A suggested damping always exceeds the one
+    passed: it moves the smallest eigenvalue to a thousandth of the largest."""
     largest = float(np.abs(shifted).max())
-    smallest = float(np.abs(shifted).min())
     resolution = len(shifted) * np.finfo(np.dtype(dtype_name)).eps * largest
-    if smallest <= resolution:
+    suggested = damping - float(shifted.min()) + max(1e-3 * largest, 1e-8)
+    zero = np.abs(shifted) <= resolution
+    negative = shifted < -resolution
+    if zero.any():
+        indefinite = (
+            f" and {int(negative.sum())} clearly negative (the parameters are not at a minimum)"
+            if negative.any()
+            else ""
+        )
         raise PergradValueError(
             f"{func_name}: H + damping*I is singular (eigenvalues from {shifted.min():.3g} to "
-            f"{shifted.max():.3g}; {int((np.abs(shifted) <= resolution).sum())} of them are zero "
-            f"to {dtype_name} precision), so its inverse does not exist. This happens when the "
-            f"model has more parameters than the Hessian batch pins down; pass damping > 0, "
-            f"e.g. damping={max(1e-3 * largest, 1e-8):.2g}."
+            f"{shifted.max():.3g}; {int(zero.sum())} of them are zero to {dtype_name} "
+            f"precision{indefinite}), so its inverse does not exist. This happens when the "
+            f"model has more parameters than the Hessian batch pins down; pass "
+            f"{'damping > 0' if damping == 0 else 'a larger damping'}, e.g. "
+            f"damping={suggested:.2g}."
         )
-    negative = shifted < 0
     if negative.any():
         warnings.warn(
             f"{func_name}: H + damping*I has {int(negative.sum())} negative eigenvalue(s) "
             f"(smallest {shifted.min():.3g}): the parameters are not at a minimum of the "
             f"training loss, where influence functions are derived. Scores use the indefinite "
-            f"inverse; pass damping > {-shifted.min():.3g} to make it positive definite.",
+            f"inverse; pass damping > {damping - shifted.min():.3g} to make it positive "
+            f"definite, e.g. damping={suggested:.2g}.",
             InfluenceWarning,
             stacklevel=5,
         )

@@ -28,7 +28,14 @@ from pergrad._src.backends import Backend, backend_of
 from pergrad._src.core.api import per_example_grads
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.influence.flat_params import FlatParams
-from pergrad._src.influence.ihvp import HessianOperator, check_damping, check_solver, solve
+from pergrad._src.influence.ihvp import (
+    HessianOperator,
+    check_damping,
+    check_dampings,
+    check_solver,
+    solve,
+    solve_grid,
+)
 from pergrad._src.norms import flat_leaves
 
 # --------------------------------------------------------------------------------------------
@@ -372,7 +379,9 @@ def influence_function(
       test_batch: the same for the test examples (``n_test``).
       damping: ``>= 0``, added to the Hessian's diagonal. Needed when ``H`` is singular (more
         parameters than the data pins down) or indefinite (not at a minimum); it shrinks the
-        scores of directions with curvature below ``damping``.
+        scores of directions with curvature below ``damping``. A list of them (a grid to tune
+        it on) returns ``(len(damping), n_train, n_test)`` scores; the exact solver then builds
+        the Hessian and its eigendecomposition once for the whole grid.
       solver: ``"exact"`` (default; materialises the ``P x P`` Hessian: small models),
         ``"cg"`` (conjugate gradient) or ``"lissa"``, or an :class:`Exact` / :class:`CG` /
         :class:`LiSSA` instance to set its options.
@@ -385,7 +394,8 @@ def influence_function(
         a time (bounds memory; the side not solved for is streamed, never held as ``(n, P)``).
 
     Returns:
-      ``(n_train, n_test)`` scores, an array of the parameters' framework.
+      ``(n_train, n_test)`` scores, an array of the parameters' framework; for a list of
+      dampings, ``(len(damping), n_train, n_test)``.
 
     Example::
 
@@ -403,14 +413,26 @@ def influence_function(
     test, n_test = check_batch(name, "test_batch", loss.backend, test_batch)
     if target_fn is None:
         check_same_arity(name, train, "train_batch", test, "test_batch")
-    damping = check_damping(name, damping)
+    grid = check_dampings(name, damping)
+    dampings = grid if grid is not None else [check_damping(name, damping)]
     solver = check_solver(name, solver)
-    operator = _hessian_for(name, loss, train, n_train, hessian_batch, damping)
+    operator = _hessian_for(name, loss, train, n_train, hessian_batch, dampings[0])
+    # H is symmetric: solve for the smaller side, then stream the other side's gradients once
+    # against the solutions of every damping side by side.
     if n_test <= n_train:
-        solved = solve(name, operator, target.grads(test), solver)
-        return loss.grads_dot(train, n_train, solved)
-    solved = solve(name, operator, loss.grads(train), solver)
-    return target.grads_dot(test, n_test, solved).T
+        rows = target.grads(test)
+        other, other_batch, other_count = loss, train, n_train
+    else:
+        rows = loss.grads(train)
+        other, other_batch, other_count = target, test, n_test
+    bk = loss.backend
+    solved = solve_grid(name, operator, rows, solver, dampings)
+    scores = other.grads_dot(other_batch, other_count, bk.concatenate(solved, axis=0))
+    k = bk.shape(rows)[0]
+    pieces = [scores[:, g * k : (g + 1) * k] for g in range(len(dampings))]
+    if n_test > n_train:
+        pieces = [piece.T for piece in pieces]
+    return bk.stack(pieces) if grid is not None else pieces[0]
 
 
 def self_influence(
