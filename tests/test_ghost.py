@@ -450,7 +450,10 @@ def test_chunked_falls_back_to_a_loop_where_vmap_fails():
     assert_clipped_sums_close(clipped, pergrad.dp.clipped_sum(grads, 1.0), t_numpy)
 
 
-def test_tied_weights_are_not_ghosted():
+def test_a_tied_embedding_and_projection_are_ghosted():
+    """Issue 19: the tie's cross term comes from the two layers' records (tests/test_tied_ghost.py
+    has the rest: padding, repeated ids, cancellation, a tie without a cross rule)."""
+
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -465,8 +468,8 @@ def test_tied_weights_are_not_ghosted():
     loss = pergrad.module_loss(Tied(), F.cross_entropy)
     args = (loss.params(), torch.randint(0, 5, (4, 3)), torch.randint(0, 5, (4,)))
     choice = choose_strategy(loss, *args)
-    assert choice.strategy == "chunked"
-    assert "tied" in choice.unsupported["embed"]
+    assert choice.strategy == "ghost" and "tied" in choice.reason
+    assert choice.layers == {"embed": "embedding", "out": "linear"}
     expected = pergrad.norms.per_example_norms(materialized(loss, args))
     assert_close(t_numpy(per_example_norms_of(loss, *args)), t_numpy(expected))
 

@@ -9,8 +9,13 @@ gradients, and the per-layer rules that reduce those records per example.
   and the per-example losses of a ``module_loss`` output.
 - ``torch_generic.py``: layers without a rule, run alone with ``torch.func``.
 - ``torch_checks.py``: what the first call of each layout establishes (where the batch is).
+- ``torch_tied.py``: a parameter two layers share (tied weights): the cross rules that give the
+  inner product of the two layers' per-example gradients from their records.
 
 - ``jax_engine.py``: the JAX counterpart: the loss of one example traced to a jaxpr, each
-  differentiated leaf's contraction found in it, and the evaluation that keeps each
-  contraction's input and exposes its output cotangent (reduced by ``strategies/ghost_jax.py``).
+  differentiated leaf's contraction found in it, and ``records``: one batched pass that keeps
+  each contraction's input and exposes its output cotangent.
+- ``jax_rules.py``: the contraction-rule registry by kind (``rule_for``, ``register``,
+  ``register_reduction``); ``jax_contractions.py``: the rules (squared norms, per-example
+  gradients, weighted sums of dense, convolution and embedding contractions).
 """

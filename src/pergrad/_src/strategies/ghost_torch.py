@@ -26,9 +26,16 @@ it. Module hooks are removed in ``finally``; tensor hooks live on this call's ow
 
 What the hooks cannot see, and how it is handled:
 
-- a parameter shared by two layers (tied weights), or owned by a layer without a rule: found
-  before running (:func:`plan`); ``strategy="auto"`` then takes the chunked strategy (a layer
-  without a rule runs alone, ``torch_generic.py``, when its parameters are small);
+- a parameter owned by a layer without a rule: found before running (:func:`plan`);
+  ``strategy="auto"`` then takes the chunked strategy (a layer without a rule runs alone,
+  ``torch_generic.py``, when its parameters are small);
+- a parameter shared by several layers (tied weights: GPT-2's input embedding reused as its
+  output projection): its per-example gradient is the sum of each layer's, so its squared norm
+  adds each layer's and twice the inner product of every pair, which a *cross rule* for the
+  two layer families gives from their calls (``torch_tied.py``, in float64: a tied gradient
+  may nearly cancel), and its clipped sum adds each layer's. A tie between families without a
+  cross rule, or with a layer without a rule, is found before running and takes the chunked
+  strategy, as above;
 - where the batch is. A layer is hooked only if axis 0 of its input and output has the batch
   size, but a size is not a layout (a time-first layer with ``T == B``, a table shared by the
   batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``:
@@ -56,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_generic
+from pergrad._src.capture import torch_checks, torch_generic, torch_tied
 from pergrad._src.capture.rules import rule_for
 from pergrad._src.capture.torch_engine import (
     LayerRecord,
@@ -94,11 +101,15 @@ class GhostPlan:
       unsupported: module name (or parameter name) -> why the ghost strategy cannot handle it.
       generic_size: how many numbers the parameters of ``"generic"`` layers hold (their
         per-example gradients are formed: ``B x generic_size`` numbers).
+      tied: parameter name (as in ``params``) -> the ``(module name, attribute)`` of each layer
+        sharing it, for the covered tied parameters (``{"emb.weight": [("emb", "weight"),
+        ("head", "weight")]}``).
     """
 
     layers: dict[str, str] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
     generic_size: int = 0
+    tied: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
 
 def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
@@ -111,35 +122,95 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
             unsupported={"params": "the ghost strategy needs a dict[str, Tensor] of parameters"}
         )
     model = loss.model
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    by_name = dict(model.named_parameters(remove_duplicate=False))
-    layers, unsupported = {}, {}
+    uses, canonical = _uses_and_aliases(model, params)
+    layers, unsupported, tied = {}, {}, {}
     generic_size = 0
     for name in params:
         module_name = name.rpartition(".")[0]
-        if name not in by_name:
+        if name not in uses:
             unsupported[name] = "not a parameter of the model"
             continue
+        others = [alias for alias, of in canonical.items() if of == name and alias != name]
+        given = [other for other in others if other in params]
+        if given:
+            unsupported[name] = f"the same parameter is passed twice, as {name!r} and {given}"
+            continue
+        if len(uses[name]) > 1:
+            problem = _tie_problem(model, name, others, uses[name])
+            if problem is not None:
+                unsupported[module_name] = problem
+                continue
+            tied[name] = uses[name]
+            for owner, _ in uses[name]:
+                layers[owner] = rule_for(model.get_submodule(owner)).name
+            continue
         module = model.get_submodule(module_name)
-        others = [a for a in aliases[id(by_name[name])] if a != name]
         rule = rule_for(module)
         problem = rule.problem(module) if rule is not None else None
-        if others:
-            unsupported[module_name] = f"{name!r} is shared with {others} (tied weights)"
-        elif rule is None:
+        if rule is None:
             unit = torch_generic.find_unit(model, module_name)
             if unit is None:
                 unsupported[module_name or name] = f"no ghost rule for {type(module).__name__}"
             else:  # per-example gradients of this layer alone (torch_generic.py)
                 layers[unit] = GENERIC
-                generic_size += by_name[name].numel()
+                generic_size += params[name].numel()
         elif problem is not None:
             unsupported[module_name] = f"{type(module).__name__}: {problem}"
         else:
             layers[module_name] = rule.name
-    return GhostPlan(layers, unsupported, generic_size)
+    return GhostPlan(layers, unsupported, generic_size, tied)
+
+
+def _uses_and_aliases(
+    model: nn.Module, params: dict[str, torch.Tensor]
+) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
+    """For each name in ``params`` that names a parameter of ``model``, the layers using that
+    parameter, ``(module name, attribute)``; and every name of those parameters in the model
+    (``"head.weight"`` for a weight tied to ``"emb.weight"``) -> its name in ``params``.
+
+    A module registered under two names is one layer (its hooks see every call): it is listed
+    once, under its first name.
+    """
+    by_name: dict[str, torch.Tensor] = {}
+    names_of: dict[int, list[str]] = {}
+    uses_of: dict[int, list[tuple[str, str]]] = {}
+    seen = set()
+    for full, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, attribute = full.rpartition(".")
+        by_name[full] = param
+        names_of.setdefault(id(param), []).append(full)
+        layer = (id(model.get_submodule(module_name)), attribute)
+        if layer not in seen:
+            seen.add(layer)
+            uses_of.setdefault(id(param), []).append((module_name, attribute))
+    uses, canonical = {}, {}
+    for name in params:
+        if name in by_name:
+            uses[name] = uses_of[id(by_name[name])]
+            canonical.update(dict.fromkeys(names_of[id(by_name[name])], name))
+    return uses, canonical
+
+
+def _tie_problem(
+    model: nn.Module, name: str, others: list[str], uses: list[tuple[str, str]]
+) -> str | None:
+    """Why the ghost strategy cannot take parameter ``name`` shared by the layers ``uses``
+    (None: every layer has a rule and every pair of them a cross rule, ``torch_tied.py``)."""
+    shared = f"{name!r} is shared with {others} (tied weights)"
+    families = []
+    for owner, attribute in uses:
+        module = model.get_submodule(owner)
+        rule = rule_for(module)
+        if rule is None:
+            return f"{shared} and layer {owner!r} ({type(module).__name__}) has no ghost rule"
+        problem = rule.problem(module)
+        if problem is not None:
+            return f"{shared} and layer {owner!r} ({type(module).__name__}): {problem}"
+        families.append((rule.name, attribute))
+    pair = torch_tied.missing_cross(families)
+    if pair is not None:
+        return f"{shared} and pergrad has no cross rule for {pair}"
+    return None
 
 
 def assess(request: ReduceRequest, forced: bool) -> Assessment:
@@ -173,6 +244,12 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
         why = "every differentiated parameter belongs to a layer with a ghost rule" + (
             f" (layers without one, run alone: {generic:,} per-example numbers)" if generic else ""
         )
+        if found.tied:
+            ties = "; ".join(
+                f"{name!r} by layers {[owner for owner, _ in uses]}"
+                for name, uses in found.tied.items()
+            )
+            why += f"; tied weights, each use's norms and their cross terms: {ties}"
     return Assessment("ghost", True, why, StrategyChoice("ghost", why, None, layers))
 
 
@@ -195,11 +272,13 @@ def ghost(
     modules = {name: model.get_submodule(name) for name, r in layers.items() if r != GENERIC}
     units = {name: model.get_submodule(name) for name, r in layers.items() if r == GENERIC}
     assigned = _unit_parameters(model, units, params)
+    uses, canonical = _uses_and_aliases(model, params)
+    tied = {name: owners for name, owners in uses.items() if len(owners) > 1}
     key = torch_checks.layout_key(params, [x for leaves in call.leaves[1:] for x in leaves])
     checked = key in loss.ghost_checked
     # Each layer's smallest parameter (a bias, usually): differentiating these reaches every
     # layer's output gradient at almost no cost of its own.
-    light = _one_parameter_per_layer(modules, params) + [
+    light = _one_parameter_per_layer(modules, params, canonical) + [
         min((params[full] for full in names.values()), key=lambda p: p.numel())
         for names in assigned.values()
     ]
@@ -224,7 +303,11 @@ def ghost(
             )
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     squared: list[Any] = [None] * len(diff)
-    for name, values in _per_layer(modules, records, params, _squared_norms_of):
+    sharing = {owner for owners in tied.values() for owner, _ in owners}
+    unshared = {name: module for name, module in modules.items() if name not in sharing}
+    for name, values in _per_layer(unshared, records, params, _squared_norms_of, canonical):
+        squared[position[id(params[name])]] = values
+    for name, values in _tied_squared_norms(modules, records, params, tied, canonical).items():
         squared[position[id(params[name])]] = values
     unit_grads = _unit_grads(units, assigned, unit_records, params, batch_size)
     for name, grads in unit_grads.items():
@@ -247,11 +330,16 @@ def ghost(
     sums: list[Any] = [torch.zeros_like(x) for x in diff]
     for weights, leaves in weight_groups(weights_from(squared), len(diff)):
         group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
-        owners = {m: module for m, module in modules.items() if _owns_any(m, module, group)}
-        computed = _per_layer(owners, records, params, _weighted_sum_of(weights.detach()))
+        owners = {
+            m: module for m, module in modules.items() if _owns_any(m, module, group, canonical)
+        }
+        computed = _per_layer(
+            owners, records, params, _weighted_sum_of(weights.detach()), canonical
+        )
         for name, value in computed:
-            if name in group:
-                sums[position[id(params[name])]] = value
+            if name in group:  # a tied parameter's weighted sum: the sum of its uses'
+                k = position[id(params[name])]
+                sums[k] = sums[k] + value if name in tied else value
         for name in group & set(unit_grads):
             grads = unit_grads[name]
             sums[position[id(params[name])]] = torch.tensordot(
@@ -340,24 +428,34 @@ def _unit_grads(
 
 
 def _one_parameter_per_layer(
-    modules: dict[str, nn.Module], params: dict[str, torch.Tensor]
+    modules: dict[str, nn.Module], params: dict[str, torch.Tensor], canonical: dict[str, str]
 ) -> list[torch.Tensor]:
-    """Each hooked layer's smallest differentiated parameter."""
-    chosen = []
+    """Each hooked layer's smallest differentiated parameter (a tied one under its name in
+    ``params``: a bias-free output projection tied to the embedding has only that), once."""
+    chosen: dict[int, torch.Tensor] = {}
     for module_name, module in modules.items():
         own = [
-            params[full]
+            params[name]
             for param_name, _ in module.named_parameters(recurse=False)
-            if (full := f"{module_name}.{param_name}" if module_name else param_name) in params
+            if (name := canonical.get(_full_name(module_name, param_name))) in params
         ]
         if own:
-            chosen.append(min(own, key=lambda p: p.numel()))
-    return chosen
+            smallest = min(own, key=lambda p: p.numel())
+            chosen[id(smallest)] = smallest
+    return list(chosen.values())
 
 
-def _owns_any(module_name: str, module: nn.Module, names: set[str]) -> bool:
-    prefix = f"{module_name}." if module_name else ""
-    return any(prefix + name in names for name, _ in module.named_parameters(recurse=False))
+def _full_name(module_name: str, param_name: str) -> str:
+    return f"{module_name}.{param_name}" if module_name else param_name
+
+
+def _owns_any(
+    module_name: str, module: nn.Module, names: set[str], canonical: dict[str, str]
+) -> bool:
+    return any(
+        canonical.get(_full_name(module_name, name)) in names
+        for name, _ in module.named_parameters(recurse=False)
+    )
 
 
 def _squared_norms_of(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
@@ -380,9 +478,11 @@ def _per_layer(
     records: dict[str, list[LayerRecord]],
     params: dict[str, torch.Tensor],
     compute: Any,
+    canonical: dict[str, str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(parameter name, value)`` from ``compute(layer, calls)`` for each hooked layer, over the
-    differentiated parameters it owns."""
+    differentiated parameters it owns, named as in ``params`` (``canonical``: every name of a
+    parameter in the model -> that one). A tied parameter comes once for each layer using it."""
     for module_name, module in modules.items():
         calls = layer_calls(module_name, records[module_name])
         if not calls:  # never called, or its output did not reach the loss: zero gradients
@@ -390,9 +490,45 @@ def _per_layer(
         with torch.no_grad():
             values = compute(module, calls)
         for param_name, value in values.items():
-            name = f"{module_name}.{param_name}" if module_name else param_name
+            name = canonical.get(_full_name(module_name, param_name))
             if name in params:
                 yield name, value
+
+
+def _tied_squared_norms(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    params: dict[str, torch.Tensor],
+    tied: dict[str, list[tuple[str, str]]],
+    canonical: dict[str, str],
+) -> dict[str, torch.Tensor]:
+    """Squared norms of the parameters of the layers that share one (``tied``: name ->
+    ``(module name, attribute)`` of each use): each layer's rule on float64 copies of its calls
+    gives its own parameters' norms, and each shared parameter's adds its uses' norms and their
+    cross terms (``torch_tied.py``). Layers whose output did not reach the loss add nothing."""
+    sharing = sorted({owner for owners in tied.values() for owner, _ in owners})
+    wide = {owner: torch_tied.widened(layer_calls(owner, records[owner])) for owner in sharing}
+    result = {}
+    with torch.no_grad():
+        own = {
+            owner: rule_for(modules[owner]).squared_norms(modules[owner], wide[owner])
+            for owner in sharing
+            if wide[owner]
+        }
+        for owner, values in own.items():
+            for param_name, value in values.items():
+                name = canonical.get(_full_name(owner, param_name))
+                if name in params and name not in tied:
+                    result[name] = value.to(params[name].dtype)
+        for name, owners in tied.items():
+            present = [(owner, attribute) for owner, attribute in owners if owner in own]
+            if present:
+                total = torch_tied.tied_squared_norms(
+                    [torch_tied.Use(modules[o], a, wide[o]) for o, a in present],
+                    [own[o][a] for o, a in present],
+                )
+                result[name] = total.to(params[name].dtype)
+    return result
 
 
 def _fill_zeros(

@@ -1,0 +1,170 @@
+"""Tied parameters on the ghost path: the cross terms of two layers sharing one parameter.
+
+A parameter used by several layers (GPT-2's input embedding, reused as its output projection)
+has the per-example gradient ``g = g_1 + ... + g_k``, one term per layer, so
+
+    |g|^2 = sum_j |g_j|^2 + 2 sum_{j < l} <g_j, g_l>.
+
+Each ``|g_j|^2`` is its layer rule's squared norm (``torch_layers.py``); a *cross rule* gives
+``<g_j, g_l>`` per example from the two layers' captured calls without forming either gradient.
+Cross rules are registered for a pair of layer families (``rules.LayerRule.name``) and the
+parameter each side shares, one small function a pair, in either order; a tie between families
+without one is not ghosted (``ghost_torch.plan`` refuses it, naming the pair).
+
+Precision: the layers' calls are widened to float64 (:func:`widened`) before the rules and the
+cross rules see them. A tied gradient may nearly cancel (``g_1 ~ -g_2``); the sum above then
+rounds by ``eps (|g_1| + |g_2|)^2``, which in float32 under-estimates ``|g|^2`` by far more
+than its own size allows, and an example clipped by that norm exceeds the clipping bound. MPS
+has no float64: there the model's dtype is kept.
+
+    uses = [Use(model.emb, "weight", widened(emb_calls)), Use(model.head, "weight", ...)]
+    tied_squared_norms(uses, [emb_norms, head_norms])   # (B,)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
+
+import torch
+from torch import nn
+
+from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.torch_layers import LayerCall
+from pergrad._src.errors import GhostUnsupported
+
+# cross(layer_a, calls_a, layer_b, calls_b) -> (B,) per-example <g_a, g_b> of the parameter the
+# two layers share, from their LayerCall records of one batched pass.
+CrossFn = Callable[[Any, list[LayerCall], Any, list[LayerCall]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CrossRule:
+    """The cross term of a parameter shared by a layer of family ``families[0]`` (as its
+    attribute ``parameters[0]``) and one of family ``families[1]`` (as ``parameters[1]``)."""
+
+    families: tuple[str, str]
+    parameters: tuple[str, str]
+    cross: CrossFn
+
+
+_CROSS: dict[tuple[str, str], CrossRule] = {}
+
+
+def register_cross(
+    family_a: str, family_b: str, *, parameters: tuple[str, str] = ("weight", "weight")
+) -> Callable[[CrossFn], CrossFn]:
+    """Decorator: register ``cross(layer_a, calls_a, layer_b, calls_b)`` for the pair of
+    families; it serves the pair in either order."""
+
+    def decorate(cross: CrossFn) -> CrossFn:
+        _CROSS[(family_a, family_b)] = CrossRule((family_a, family_b), parameters, cross)
+        return cross
+
+    return decorate
+
+
+def cross_rule(first: tuple[str, str], second: tuple[str, str]) -> CrossFn | None:
+    """The cross rule of a parameter used as ``first = (family, attribute)`` by one layer and as
+    ``second`` by another, with its arguments in that order; None if there is none."""
+    rule = _CROSS.get((first[0], second[0]))
+    if rule is not None and rule.parameters == (first[1], second[1]):
+        return rule.cross
+    swapped = _CROSS.get((second[0], first[0]))
+    if swapped is not None and swapped.parameters == (second[1], first[1]):
+        return lambda layer_a, calls_a, layer_b, calls_b: swapped.cross(
+            layer_b, calls_b, layer_a, calls_a
+        )
+    return None
+
+
+def missing_cross(uses: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The first pair of families among ``uses`` (``(family, attribute)`` of each layer using
+    one parameter) that has no cross rule, or None when every pair has one."""
+    for first, second in combinations(uses, 2):
+        if cross_rule(first, second) is None:
+            return first[0], second[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Use:
+    """One layer's use of a shared parameter in one batched pass.
+
+    Attributes:
+      layer: the module.
+      parameter: the attribute under which it holds the parameter (``"weight"``).
+      calls: its calls in the pass, as :func:`widened` gives them.
+    """
+
+    layer: nn.Module
+    parameter: str
+    calls: list[LayerCall]
+
+
+def widened(calls: list[LayerCall]) -> list[LayerCall]:
+    """``calls`` with their floating-point inputs and output gradients in float64 (on MPS, which
+    has no float64, as they are)."""
+
+    def wide(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "mps":
+            return x.double()
+        return x
+
+    return [LayerCall(tuple(wide(x) for x in c.inputs), wide(c.output_grad)) for c in calls]
+
+
+def tied_squared_norms(uses: list[Use], squared_norms: list[torch.Tensor]) -> torch.Tensor:
+    """``(B,)`` squared norms of a parameter shared by ``uses`` (at least one), given each use's
+    own ``(B,)`` squared norms: their sum plus twice every pair's cross term.
+
+    The exact value is ``|g|^2 >= 0``; the sum of the terms can round below zero by about
+    ``eps (|g_1| + |g_2|)^2`` where the uses cancel, so it is clamped at zero.
+    """
+    total = squared_norms[0]
+    for own in squared_norms[1:]:
+        total = total + own
+    for first, second in combinations(uses, 2):
+        cross = cross_rule(_family(first), _family(second))
+        if cross is None:  # the plan refuses such ties before running
+            raise GhostUnsupported(f"no cross rule for {_family(first)} and {_family(second)}")
+        total = total + 2 * cross(first.layer, first.calls, second.layer, second.calls)
+    return total.clamp_min(0)
+
+
+def _family(use: Use) -> tuple[str, str]:
+    rule = rule_for(use.layer)
+    if rule is None:
+        raise GhostUnsupported(f"no ghost rule for {type(use.layer).__name__}")
+    return rule.name, use.parameter
+
+
+@register_cross("embedding", "linear")
+def embedding_linear_cross(
+    embedding: nn.Embedding,
+    embedding_calls: list[LayerCall],
+    linear: nn.Linear,
+    linear_calls: list[LayerCall],
+) -> torch.Tensor:
+    """An embedding table ``(V, D)`` tied to a bias-free projection ``nn.Linear(D, V)``.
+
+    The embedding's gradient has row ``id_s`` += ``e_s`` for each looked-up position ``s``
+    (output gradient ``e_s``); the linear's is ``sum_t d_t a_t^T`` (input ``a_t``, output gradient
+    ``d_t``). So ``<g_emb, g_lin> = sum_s sum_t d_t[id_s] (a_t . e_s)``: the output gradients
+    gathered at the looked-up ids ``(B, T, S)`` times the inner products ``A E^T``
+    ``(B, T, S)``, summed. Positions of all calls side by side; the padding row gets no
+    gradient, as in the embedding rule.
+    """
+    batch = embedding_calls[0].output_grad.shape[0]
+    width, vocabulary = embedding.embedding_dim, embedding.num_embeddings
+    ids = torch.cat([c.inputs[0].reshape(batch, -1) for c in embedding_calls], dim=1).long()
+    rows = torch.cat([c.output_grad.reshape(batch, -1, width) for c in embedding_calls], dim=1)
+    if embedding.padding_idx is not None:
+        rows = rows * (ids != embedding.padding_idx).unsqueeze(-1)
+    inputs = torch.cat([c.inputs[0].reshape(batch, -1, width) for c in linear_calls], dim=1)
+    grads = torch.cat([c.output_grad.reshape(batch, -1, vocabulary) for c in linear_calls], dim=1)
+    at_ids = torch.gather(grads, 2, ids.unsqueeze(1).expand(-1, grads.shape[1], -1))
+    products = inputs.to(rows.dtype) @ rows.transpose(1, 2)
+    return (at_ids.to(rows.dtype) * products).sum((1, 2))
