@@ -41,6 +41,7 @@ from pergrad._src.influence.streaming import (
     top_k,
     top_k_from_scores,
 )
+from pergrad._src.influence.trak import trak
 
 __all__ = [
     "CG",
@@ -61,4 +62,5 @@ __all__ = [
     "top_k",
     "top_k_from_scores",
     "tracin",
+    "trak",
 ]

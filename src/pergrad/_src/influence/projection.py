@@ -62,7 +62,7 @@ def project(
     result = None
     for start in range(0, total, block_size):
         stop = min(start + block_size, total)
-        rows = _matrix_rows(seed, k, kind, start, stop)
+        rows = matrix_rows(seed, k, kind, start, stop)
         slab = _columns(bk, flat, start, stop)
         term = slab @ as_backend_array(bk, rows, slab)
         result = term if result is None else result + term
@@ -85,7 +85,7 @@ def _check_options(k: Any, seed: Any, kind: Any, block_size: Any) -> None:
         raise PergradValueError(f"project: block_size must be a positive int; got {block_size!r}.")
 
 
-def _matrix_rows(seed: int, k: int, kind: str, start: int, stop: int) -> np.ndarray:
+def matrix_rows(seed: int, k: int, kind: str, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of the ``(P, k)`` projection matrix, float64."""
     first, last = start // ROWS_PER_DRAW, (stop - 1) // ROWS_PER_DRAW
     draws = [_draw(seed, k, kind, chunk) for chunk in range(first, last + 1)]

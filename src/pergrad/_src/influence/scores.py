@@ -126,9 +126,9 @@ def grad_cosine(train_grads: Any, test_grads: Any, eps: float = 1e-12) -> Any:
 # Validation of fn, params and batches.
 
 
-def _check_fn(func_name: str, fn: Any, arg_name: str = "fn") -> None:
+def check_fn(func_name: str, fn: Any, arg_name: str = "fn") -> None:
     if not callable(fn):
-        what = "the loss" if arg_name == "fn" else "the target"
+        what = {"fn": "the loss", "target_fn": "the target"}.get(arg_name, "a function")
         raise PergradTypeError(
             f"{func_name}: {arg_name} must be {what} of ONE example, "
             f"{arg_name}(params, *example) -> scalar; got {type(fn).__name__}."
@@ -246,7 +246,7 @@ class FlatLoss:
         arg_name: str = "params",
         regularizer: Any = None,
     ) -> FlatLoss:
-        _check_fn(func_name, fn)
+        check_fn(func_name, fn)
         bk = backend_of(params, func_name, arg_name)
         flat = FlatParams.create(func_name, arg_name, bk, params)
         regularizer = check_regularizer(func_name, regularizer, params, bk)
@@ -258,7 +258,7 @@ class FlatLoss:
         whose gradients are taken: the test side of a score."""
         if target_fn is None:
             return self
-        _check_fn(self.func_name, target_fn, "target_fn")
+        check_fn(self.func_name, target_fn, "target_fn")
         return dataclasses.replace(self, fn=target_fn, regularizer=None)
 
     def example_loss(self, vector: Any, example: tuple[Any, ...]) -> Any:
@@ -279,7 +279,7 @@ class FlatLoss:
         ``chunk_size`` examples at a time so that ``(n, P)`` is never held at once."""
         step = self.chunk_size or count
         pieces = [
-            self.grads(_slice(self.backend, batch, start, start + step)) @ rows.T
+            self.grads(slice_batch(self.backend, batch, start, start + step)) @ rows.T
             for start in range(0, count, step)
         ]
         return pieces[0] if len(pieces) == 1 else self.backend.concatenate(pieces, axis=0)
@@ -305,7 +305,7 @@ class FlatLoss:
         )
 
 
-def _slice(bk: Backend, batch: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+def slice_batch(bk: Backend, batch: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
     _, leaves, treedef = bk.flatten(batch)
     return bk.unflatten(treedef, [leaf[start:stop] for leaf in leaves])
 
