@@ -113,6 +113,25 @@ def test_trak_matches_the_formula(framework, proj_dim):
     )
 
 
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_damping_grid_equals_one_call_per_damping(framework):
+    margin, weight, _, models, (x, y, xt, yt), to_numpy = PROBLEMS[framework]()
+    grid = [0.0, 0.1, 10.0]
+    stacked = to_numpy(
+        influence.trak(
+            margin, models, (x, y), (xt, yt), weight_fn=weight, proj_dim=16, damping=grid
+        )
+    )
+    assert stacked.shape == (3, N_TRAIN, N_TARGET)
+    for g, damping in enumerate(grid[1:], start=1):
+        np.testing.assert_allclose(
+            stacked[g],
+            reference(framework, 16, damping),
+            rtol=2e-4,
+            atol=1e-5 * np.abs(stacked[g]).max(),
+        )
+
+
 def test_trak_is_the_same_on_both_frameworks():
     pytest.importorskip("jax")
     pytest.importorskip("torch")
@@ -158,9 +177,7 @@ def test_bad_arguments_are_named(framework):
         influence.trak(margin, models, (x, y), (xt, yt), proj_dim=0)
     with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
         influence.trak(margin, models, (x, y), (xt, yt), damping=-1.0)
-    with pytest.raises(
-        TypeError, match="weight_fn must be a function of ONE example"
-    ):
+    with pytest.raises(TypeError, match="weight_fn must be a function of ONE example"):
         influence.trak(margin, models, (x, y), (xt, yt), weight_fn="1-p")
     with pytest.raises(ValueError, match="weight_fn must return a scalar"):
         influence.trak(margin, models, (x, y), (xt, yt), weight_fn=lambda p, xi, yi: p["w2"].sum(0))

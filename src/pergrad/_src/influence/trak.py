@@ -64,7 +64,9 @@ def trak(
       target_fn: the output of one target, if not ``fn``.
       proj_dim: ``k``, the projected dimension (TRAK uses 2048 to 20480).
       damping: ``>= 0``, added to ``Phi^T Phi`` (``lambda`` in ``traker``); 0 uses the
-        pseudo-inverse where ``Phi^T Phi`` is singular (fewer examples than ``k``).
+        pseudo-inverse where ``Phi^T Phi`` is singular (fewer examples than ``k``). A list of
+        them (a grid to tune on) returns ``(len(damping), n_train, n_targets)`` scores from
+        the same features and one eigendecomposition per model.
       seed: model ``m`` projects with seed ``seed + m`` (:func:`project`'s matrix, the same on
         both frameworks).
       kind: ``"rademacher"`` (default, as ``traker``) or ``"gaussian"`` entries.
@@ -72,7 +74,8 @@ def trak(
         keep ``chunk_size x P`` under 2**25 numbers).
 
     Returns:
-      ``(n_train, n_targets)`` scores, an array of the parameters' framework.
+      ``(n_train, n_targets)`` scores, an array of the parameters' framework (for a list of
+      dampings, one such matrix per damping, stacked).
 
     Example (classification)::
 
@@ -96,7 +99,11 @@ def trak(
             f"the ensemble); got {type(checkpoints).__name__}"
             f"{' of length 0' if isinstance(checkpoints, (list, tuple)) else ''}."
         )
-    _check_options(name, proj_dim, damping, seed, kind)
+    grid = list(damping) if isinstance(damping, (list, tuple)) else [damping]
+    if not grid:
+        raise PergradValueError(f"{name}: damping must be a number or a non-empty list of them.")
+    for value in grid:
+        _check_options(name, proj_dim, value, seed, kind)
     if weight_fn is not None:
         check_fn(name, weight_fn, "weight_fn")
     total_scores, total_weights = None, None
@@ -110,7 +117,7 @@ def trak(
         matrix = _Projection(bk, output.flat.size, proj_dim, seed + index, kind)
         phi = _features(output, train, n_train, matrix)
         phi_target = _features(target, targets, n_targets, matrix)
-        scores = _kernel_scores(bk, phi, phi_target, damping)
+        scores = _kernel_scores(bk, phi, phi_target, grid)
         weights = _weights(output, weight_fn, train, n_train) if weight_fn is not None else None
         total_scores = scores if total_scores is None else total_scores + scores
         if weights is not None:
@@ -118,8 +125,8 @@ def trak(
     count = len(checkpoints)
     result = total_scores / count
     if total_weights is not None:
-        result = result * (total_weights / count)[:, None]
-    return result
+        result = result * (total_weights / count)[None, :, None]
+    return result if isinstance(damping, (list, tuple)) else result[0]
 
 
 class _Projection:
@@ -156,27 +163,30 @@ def _features(output: FlatLoss, batch: tuple, count: int, projection: _Projectio
     return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
 
 
-def _kernel_scores(bk: Any, phi: Any, phi_target: Any, damping: float) -> Any:
-    """``Phi (Phi^T Phi + damping I)^-1 phi_target^T``, solved in float64 on the smaller side;
-    a pseudo-inverse (eigenvalues below rounding dropped) where the system is singular."""
+def _kernel_scores(bk: Any, phi: Any, phi_target: Any, dampings: list[float]) -> Any:
+    """``Phi (Phi^T Phi + d I)^-1 phi_target^T`` for each damping ``d``, ``(len, n, m)``,
+    solved in float64 on the smaller side from one eigendecomposition; a pseudo-inverse
+    (eigenvalues below rounding dropped) where the system is singular."""
     train = bk.to_numpy(phi).astype(np.float64)
     target = bk.to_numpy(phi_target).astype(np.float64)
     n, k = train.shape
     if n <= k:  # (Phi Phi^T + d I)^-1 Phi phi^T: an n x n system
-        gram, right = train @ train.T, train @ target.T
-        solved = _solve_psd(gram, right, damping)
-        return as_backend_array(bk, solved, phi)
-    gram = train.T @ train
-    solved = _solve_psd(gram, target.T, damping)  # (k, n_targets)
-    return as_backend_array(bk, train @ solved, phi)
+        solved = _solve_psd(train @ train.T, train @ target.T, dampings)
+    else:
+        solved = train @ _solve_psd(train.T @ train, target.T, dampings)  # (len, n, m)
+    return as_backend_array(bk, solved, phi)
 
 
-def _solve_psd(gram: np.ndarray, right: np.ndarray, damping: float) -> np.ndarray:
+def _solve_psd(gram: np.ndarray, right: np.ndarray, dampings: list[float]) -> np.ndarray:
     values, vectors = np.linalg.eigh(gram)
     cutoff = len(values) * np.finfo(np.float32).eps * max(float(np.abs(values).max()), 1e-300)
-    shifted = values + damping
-    inverse = np.where(shifted > cutoff, 1.0 / np.where(shifted > cutoff, shifted, 1.0), 0.0)
-    return vectors @ (inverse[:, None] * (vectors.T @ right))
+    projected = vectors.T @ right
+    solutions = []
+    for damping in dampings:
+        shifted = values + damping
+        inverse = np.where(shifted > cutoff, 1.0 / np.where(shifted > cutoff, shifted, 1.0), 0.0)
+        solutions.append(vectors @ (inverse[:, None] * projected))
+    return np.stack(solutions)
 
 
 def _weights(output: FlatLoss, weight_fn: Any, batch: tuple, count: int) -> Any:
