@@ -402,7 +402,10 @@ def test_auto_takes_chunked_when_layers_without_rules_are_large(monkeypatch):
     assert_close(t_numpy(norms), t_numpy(expected))
 
 
-def test_a_parameter_of_the_model_itself_makes_auto_choose_chunked_and_ghost_refuse():
+def test_a_parameter_of_the_model_itself_goes_generic_and_the_rest_stays_ghost():
+    """Issue 19: the root's own parameter runs through the generic path (the root run alone,
+    only its bare parameters differentiated); its Linear keeps the ghost rule."""
+
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -416,14 +419,15 @@ def test_a_parameter_of_the_model_itself_makes_auto_choose_chunked_and_ghost_ref
     loss = pergrad.module_loss(Scaled(), F.cross_entropy)
     args = (loss.params(), torch.randn(5, 6), torch.randint(0, 3, (5,)))
     choice = choose_strategy(loss, *args)
-    assert choice.strategy == "chunked"
-    assert choice.unsupported == {"scale": "no ghost rule for Scaled"}
+    assert choice.strategy == "ghost" and not choice.unsupported
+    assert choice.layers == {"fc": "linear", "": "generic"}
     grads = materialized(loss, args)
     with NoFallback():
         norms = per_example_norms_of(loss, *args)
-    assert_close(t_numpy(norms), t_numpy(pergrad.norms.per_example_norms(grads)))
-    with pytest.raises(ValueError, match="'scale'.*no ghost rule for Scaled"):
-        per_example_norms_of(loss, *args, strategy="ghost")
+        forced = per_example_norms_of(loss, *args, strategy="ghost")
+    expected = t_numpy(pergrad.norms.per_example_norms(grads))
+    assert_close(t_numpy(norms), expected)
+    assert_close(t_numpy(forced), expected)
 
 
 def test_chunked_falls_back_to_a_loop_where_vmap_fails():

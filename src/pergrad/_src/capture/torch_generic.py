@@ -1,21 +1,30 @@
-"""Layers without a ghost rule, inside a model whose other layers have one.
+"""Parameters no layer rule owns, inside a model whose other layers have one.
 
 Rather than giving up the ghost strategy for the whole model (an ``nn.MultiheadAttention`` in a
-transformer, a custom block owning a parameter), such a layer is a *generic unit*: the forward
-hook keeps its inputs (keyword arguments too) and the gradient at its output, and the per-example
-gradients of the parameters it owns come from ``torch.func.vmap`` of the layer ALONE over the
-examples (``grad`` of ``<layer(x_i), dz_i>``). Only those parameters are materialised
-(``B x`` their size); the standard layers around it stay ghost.
+transformer, a custom block owning a parameter, a ViT embedding's class token and position
+embeddings beside its patch convolution), such a parameter gets its per-example gradient from a
+*generic unit*: a module whose forward hook keeps its inputs (keyword arguments too) and the
+gradient at its output, and which is then run ALONE over the examples with ``torch.func.vmap``
+(``grad`` of ``<unit(x_i), dz_i>``) with only the parameters it is given differentiated. Only
+those are materialised (``B x`` their size); the layers with a rule stay ghost.
 
-A unit is the outermost module around the parameter whose subtree has no layer rule, below the
-model itself (a parameter the model owns directly would make the whole model the unit: that is
-the chunked strategy, which ``"auto"`` then takes). An input or keyword argument is taken as
-batched when it is a tensor whose first axis has the batch size. That is a guess, so it is
-checked: on every run, each example's slice run alone must reproduce its row of the unit's
-batched output, and on the first run of each layout the units' per-example gradients must add
-up to the batch gradient and their output gradients be row-local (``torch_checks.py``); a
-shared input of that size, or a time-first unit with ``T == B``, is refused, never reduced
-along the wrong axis.
+The unit of a parameter owned by module ``M`` (:func:`find_unit`):
+
+- ``M`` holds no layer with a rule: the outermost ancestor of ``M``, below the model, whose
+  subtree holds none either (so that a parent reading the parameter is run too);
+- ``M`` holds a layer with a rule (the embedding above; a learnable scale of the model itself,
+  ``M`` being the root): ``M`` itself, with only its rule-less parameters differentiated. Its
+  layers with a rule run inside it as constants: their own norms come from their hooks, which
+  record the one batched pass only (the units run after the hooks are removed). A model with
+  no layer with a rule at all has no unit of its own: that is the chunked strategy.
+
+An input or keyword argument is taken as batched when it is a tensor whose first axis has the
+batch size. That is a guess, so it is checked: on every run, each example's slice run alone
+must reproduce its row of the unit's batched output, and on the first run of each layout the
+units' per-example gradients must add up to the batch gradient and their output gradients be
+row-local (``torch_checks.py``); a shared input of that size, or a time-first unit with
+``T == B``, is refused, never reduced along the wrong axis. A unit's output must have the batch
+on axis 0 (the first element of a tuple output), or the run is refused the same way.
 """
 
 from __future__ import annotations
@@ -43,10 +52,15 @@ _SUM_RTOL = 1e-3
 
 
 def find_unit(model: nn.Module, owner: str) -> str | None:
-    """The generic unit of a parameter owned by module ``owner`` (which has no rule): the
-    outermost ancestor, below the model, whose subtree holds no module with a layer rule."""
-    if owner == "" or _has_rule(model.get_submodule(owner)):
-        return None
+    """The generic unit (a module name, ``""`` for the model) of a parameter owned by module
+    ``owner``, which has no layer rule: ``owner`` when its subtree holds a layer with a rule,
+    else its outermost ancestor below the model whose subtree holds none. None for a parameter
+    of the model itself when no layer of the model has a rule: the whole model run alone is the
+    chunked strategy, with nothing left for the ghost strategy to save."""
+    if owner == "":
+        return owner if _has_rule(model) else None
+    if _has_rule(model.get_submodule(owner)):
+        return owner
     unit = owner
     while "." in unit:
         parent = unit.rpartition(".")[0]
@@ -111,9 +125,12 @@ def per_example(
     params: dict[str, torch.Tensor],
     calls: list[UnitCall],
     batch_size: int,
+    constants: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``{relative name: (B, *shape)}``: per-example gradients of ``params`` (named relative to
-    ``unit``), summed over the unit's calls."""
+    ``unit``), summed over the unit's calls. ``constants``: the unit's other parameters as the
+    batched pass used them (not differentiated); the unit's own are used for any not given."""
+    values = dict(constants or {})
     total: dict[str, torch.Tensor] = {}
     for call in calls:
         if call.output_grad is None:
@@ -126,7 +143,7 @@ def per_example(
         ) -> Any:
             rows = [x.unsqueeze(0) if d == 0 else x for x, d in zip(rows, dims)]
             args, kwargs = pytree.tree_unflatten(rows, spec)
-            out = _first_tensor(torch.func.functional_call(unit, p, args, kwargs))
+            out = _first_tensor(torch.func.functional_call(unit, {**values, **p}, args, kwargs))
             return (out * output_grad.unsqueeze(0)).sum(), out.detach()[0]
 
         grads, outputs = torch.func.vmap(

@@ -26,9 +26,12 @@ it. Module hooks are removed in ``finally``; tensor hooks live on this call's ow
 
 What the hooks cannot see, and how it is handled:
 
-- a parameter owned by a layer without a rule: found before running (:func:`plan`);
-  ``strategy="auto"`` then takes the chunked strategy (a layer without a rule runs alone,
-  ``torch_generic.py``, when its parameters are small);
+- a parameter no layer rule owns (an ``nn.MultiheadAttention``'s, a ViT embedding's class token
+  beside its patch convolution, a learnable scale of the model itself): found before running
+  (:func:`plan`); its module (or the rule-less block around it) is run alone over the examples
+  with only such parameters differentiated (``torch_generic.py``), while the layers with a rule
+  inside it stay ghost. ``strategy="auto"`` takes the chunked strategy only when these
+  per-example gradients would be large, or when no layer of the model has a rule;
 - a parameter shared by several layers (tied weights: GPT-2's input embedding reused as its
   output projection): its per-example gradient is the sum of each layer's, so its squared norm
   adds each layer's and twice the inner product of every pair, which a *cross rule* for the
@@ -151,7 +154,7 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
             unit = torch_generic.find_unit(model, module_name)
             if unit is None:
                 unsupported[module_name or name] = f"no ghost rule for {type(module).__name__}"
-            else:  # per-example gradients of this layer alone (torch_generic.py)
+            else:  # per-example gradients of its unit run alone (torch_generic.py)
                 layers[unit] = GENERIC
                 generic_size += params[name].numel()
         elif problem is not None:
@@ -215,7 +218,7 @@ def _tie_problem(
 
 def assess(request: ReduceRequest, forced: bool) -> Assessment:
     """The registry's question for a ``module_loss``: every differentiated parameter in a layer
-    with a rule (or a layer run alone whose per-example gradients stay small under "auto")?"""
+    with a rule (or in a unit run alone whose per-example gradients stay small under "auto")?"""
     spec = request.spec
     if spec.argnums != (0,) or not spec.single_argnum:
         found = GhostPlan(
@@ -237,12 +240,15 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
     elif generic > limit:
         why = (
             f"the layers without a ghost rule would need {generic:,} per-example numbers "
-            f"(more than {limit:,})"
+            f"(more than {limit:,}) to run {_generic_units(layers)} alone"
         )
         return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers))
     else:
         why = "every differentiated parameter belongs to a layer with a ghost rule" + (
-            f" (layers without one, run alone: {generic:,} per-example numbers)" if generic else ""
+            f" or is differentiated in {_generic_units(layers)} run alone ({generic:,} "
+            f"per-example numbers)"
+            if generic
+            else ""
         )
         if found.tied:
             ties = "; ".join(
@@ -251,6 +257,13 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
     return Assessment("ghost", True, why, StrategyChoice("ghost", why, None, layers))
+
+
+def _generic_units(layers: dict[str, str]) -> str:
+    """The units run alone, named for a message: ``"'embed', the model itself"``."""
+    return ", ".join(
+        repr(name) if name else "the model itself" for name, r in layers.items() if r == GENERIC
+    )
 
 
 def ghost(
@@ -309,9 +322,9 @@ def ghost(
         squared[position[id(params[name])]] = values
     for name, values in _tied_squared_norms(modules, records, params, tied, canonical).items():
         squared[position[id(params[name])]] = values
-    unit_grads = _unit_grads(units, assigned, unit_records, params, batch_size)
+    unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
     for name, grads in unit_grads.items():
-        squared[position[id(params[name])]] = (grads**2).flatten(1).sum(1)
+        squared[position[id(params[name])]] = (grads**2).reshape(batch_size, -1).sum(1)
     if not checked:
         by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
         for unit in units:
@@ -396,8 +409,12 @@ def _unit_parameters(
             continue
         unit = torch_generic.find_unit(model, owner)
         if unit in assigned:
-            assigned[unit][name[len(unit) + 1 :]] = name
+            assigned[unit][_relative_name(unit, name)] = name
     return assigned
+
+
+def _relative_name(module_name: str, full_name: str) -> str:
+    return full_name[len(module_name) + 1 :] if module_name else full_name
 
 
 def _unit_grads(
@@ -405,6 +422,7 @@ def _unit_grads(
     assigned: dict[str, dict[str, str]],
     unit_records: dict[str, list[Any]],
     params: dict[str, torch.Tensor],
+    canonical: dict[str, str],
     batch_size: int,
 ) -> dict[str, torch.Tensor]:
     """full name -> ``(B, *shape)`` per-example gradients of the generic units' parameters."""
@@ -412,8 +430,11 @@ def _unit_grads(
     for unit, module in units.items():
         names = assigned[unit]
         unit_params = {rel: params[full].detach() for rel, full in names.items()}
+        constants = _unit_constants(unit, module, set(names.values()), params, canonical)
         try:
-            grads = torch_generic.per_example(module, unit_params, unit_records[unit], batch_size)
+            grads = torch_generic.per_example(
+                module, unit_params, unit_records[unit], batch_size, constants
+            )
         except GhostUnsupported as err:
             raise GhostUnsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
         except Exception as err:
@@ -425,6 +446,26 @@ def _unit_grads(
             ) from err
         result.update({names[rel]: g.detach() for rel, g in grads.items()})
     return result
+
+
+def _unit_constants(
+    unit: str,
+    module: nn.Module,
+    differentiated: set[str],
+    params: dict[str, torch.Tensor],
+    canonical: dict[str, str],
+) -> dict[str, torch.Tensor]:
+    """The values in ``params`` of the unit's other parameters (its layers with a rule, its
+    nested units'), named relative to the unit, so that run alone it computes what the batched
+    pass did; detached, so that only the unit's own parameters are differentiated. A tied
+    parameter is given once, under its first name in the unit (``functional_call`` ties the
+    others)."""
+    constants = {}
+    for rel, _ in module.named_parameters():
+        name = canonical.get(_full_name(unit, rel))
+        if name in params and name not in differentiated:
+            constants[rel] = params[name].detach()
+    return constants
 
 
 def _one_parameter_per_layer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ from torch import nn
 
 from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
-from pergrad._src.errors import PergradTypeError
+from pergrad._src.errors import FallbackWarning, PergradTypeError
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -70,9 +71,10 @@ class DPOptimizer:
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
     norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory;
-    otherwise per-example gradients ``chunk_size`` examples at a time. Distributed: one
-    all-reduce of ``P + 2`` numbers per step, and at construction two all-gathers and one pass
-    over the parameters' bytes.
+    otherwise per-example gradients ``chunk_size`` examples at a time, which, under ``"auto"``,
+    the first step that takes them says once with a :class:`pergrad.FallbackWarning` naming the
+    layers and why. Distributed: one all-reduce of ``P + 2`` numbers per step, and at
+    construction two all-gathers and one pass over the parameters' bytes.
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
@@ -139,6 +141,7 @@ class DPOptimizer:
         self._loss = module_loss(model, loss_fn, num_inputs=num_inputs)
         self.strategy = strategy
         self.chunk_size = chunk_size
+        self._warned_off_ghost = False
         self.process_group = process_group_of("DPOptimizer", distributed)
         if self.process_group is not None:
             check_same_across_ranks(
@@ -165,6 +168,7 @@ class DPOptimizer:
         """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets)."""
         params = self._loss.params()
         choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
+        self._warn_off_ghost(choice)
         clipped = clipped_sum_of(
             self._loss,
             params,
@@ -185,6 +189,20 @@ class DPOptimizer:
             clip_fraction=totals.clip_fraction,
             batch_size=int(totals.count),
             strategy=choice.strategy,
+        )
+
+    def _warn_off_ghost(self, choice: Any) -> None:
+        """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
+        cannot take, or parameters without a rule whose per-example gradients are large)."""
+        if self._warned_off_ghost or self.strategy != "auto" or choice.strategy != "chunked":
+            return
+        self._warned_off_ghost = True
+        warnings.warn(
+            f"DPOptimizer: the ghost strategy cannot take every parameter of this model "
+            f"({choice.reason}), so its steps take the chunked strategy: per-example gradients "
+            f"chunk by chunk, the same step with more time and memory. Said once per optimizer.",
+            FallbackWarning,
+            stacklevel=3,
         )
 
     def _noisy_totals(self, clipped: ClippedSum) -> StepTotals:
