@@ -65,3 +65,81 @@ def test_register_reduction_refuses_an_unknown_family_or_a_built_in_name():
         rules.register_reduction("x", "lineer")
     with pytest.raises(ValueError, match="'squared_norms' is a built-in"):
         rules.register_reduction("squared_norms", "linear")
+
+
+class Mixed(nn.Module):
+    """Linear layers (the plug-in's family), an embedding and a LayerNorm (no plug-in: their
+    per-example gradients), a bare parameter (a generic unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 5)
+        self.fc = nn.Linear(5, 7)
+        self.norm = nn.LayerNorm(7)
+        self.out = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, ids):
+        return self.out(self.norm(torch.tanh(self.fc(self.emb(ids))))) * self.scale
+
+
+def test_layer_reductions_of_runs_the_plug_in_over_one_captured_pass(projection):
+    import pergrad
+    from pergrad._src.core.reductions import layer_reductions_of
+
+    torch.manual_seed(1)
+    model = Mixed().double()
+    ids = torch.randint(0, 9, (BATCH, LENGTH))
+    target = torch.randn(BATCH, LENGTH, 3, dtype=torch.float64)
+
+    def mse(out, y):
+        return ((out - y) ** 2).sum()
+
+    loss = pergrad.module_loss(model, mse)
+    params = loss.params()
+    p_in = torch.randn(7, 2, dtype=torch.float64)
+    p_out = torch.randn(3, 2, dtype=torch.float64)
+    # one projection pair for the 7 -> 3 layer; fc (5 -> 7) gets its own
+    pairs = {
+        7: (p_in, p_out),
+        5: (torch.randn(5, 2, dtype=torch.float64), torch.randn(7, 2, dtype=torch.float64)),
+    }
+
+    @rules.register_reduction("test_projection_by_width", "linear")
+    def by_width(layer, calls, pairs):
+        return projection(layer, calls, *pairs[layer.in_features])
+
+    try:
+        results = layer_reductions_of(
+            loss, params, ids, target, reduction="test_projection_by_width", reduction_args=(pairs,)
+        )
+    finally:
+        for rule in {id(r): r for r in rules._RULES.values()}.values():  # noqa: SLF001
+            rule.plugins.pop("test_projection_by_width", None)
+    assert len(results) == len(params)
+    for name, result in zip(params, results):
+        for b in range(BATCH):
+            grads = torch.autograd.grad(
+                mse(model(ids[b : b + 1]), target[b : b + 1]), dict(model.named_parameters())[name]
+            )[0]
+            if name in ("fc.weight", "out.weight"):
+                assert result.reduced, name
+                p_i, p_o = pairs[grads.shape[1]]
+                torch.testing.assert_close(result.value[b], p_o.T @ grads @ p_i)
+            else:  # biases of a family whose plug-in skips them, the embedding, the norm, scale
+                assert not result.reduced, name
+                torch.testing.assert_close(result.value[b], grads)
+
+
+def test_a_loss_the_engine_cannot_capture_comes_back_as_per_example_gradients():
+    import pergrad
+    from pergrad._src.core.reductions import layer_reductions_of
+
+    def loss(w, x):  # a plain function, not a module_loss: no layers to hook
+        return torch.tanh(x @ w).sum()
+
+    w, x = torch.randn(4, 3), torch.randn(BATCH, 4)
+    with pytest.warns(pergrad.FallbackWarning, match="capture engine cannot take this call"):
+        (result,) = layer_reductions_of(loss, w, x, reduction="anything")
+    assert not result.reduced
+    torch.testing.assert_close(result.value, pergrad.per_example_grads(loss)(w, x))

@@ -80,6 +80,7 @@ from pergrad._src.core.call import Call, Spec, single_example_fn
 from pergrad._src.errors import GhostUnsupported, is_pergrad_error
 from pergrad._src.strategies.protocol import (
     Assessment,
+    LeafReduction,
     ReduceRequest,
     Reduction,
     StrategyChoice,
@@ -266,14 +267,39 @@ def _generic_units(layers: dict[str, str]) -> str:
     )
 
 
-def ghost(
-    spec: Spec,
-    call: Call,
-    loss: ModuleLoss,
-    layers: dict[str, str],
-    weights_from: WeightsFn | None,
-) -> Reduction:
-    """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy."""
+@dataclass
+class Captured:
+    """One batched pass of a ``module_loss`` under the hooks, its first-run checks done.
+
+    Attributes:
+      diff: the differentiated leaves (fresh tensors), in the core's flat order.
+      params: the parameter dict the model ran with (its values are ``diff``).
+      position: ``id(leaf) -> index`` in ``diff``.
+      modules: the hooked layers with a rule, by module name; ``records`` their calls.
+      unit_grads: full name -> ``(B, *shape)`` per-example gradients of the generic units'
+        parameters.
+      tied: name -> the layers sharing it; ``canonical``: every name of a parameter in the
+        model -> its name in ``params``.
+      squared: per leaf ``(B,)`` squared norms, or None when not asked for.
+    """
+
+    diff: list[torch.Tensor]
+    params: dict[str, torch.Tensor]
+    position: dict[int, int]
+    modules: dict[str, nn.Module]
+    records: dict[str, list[LayerRecord]]
+    unit_grads: dict[str, torch.Tensor]
+    tied: dict[str, list[tuple[str, str]]]
+    canonical: dict[str, str]
+    squared: list[Any] | None
+
+
+def capture(
+    spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str], norms: bool = True
+) -> Captured:
+    """The model once over the batch with every layer of ``layers`` hooked (steps 1-2 of the
+    module docstring), the first run of a layout checked; with ``norms`` (always on a first
+    run, whose check needs them) each leaf's per-example squared norms (step 3)."""
     model = loss.model
     refuse_batch_mixing_layers(model, spec.func_name)
     batch_size = call.batch_size
@@ -315,6 +341,10 @@ def ghost(
                 spec, call, diff, losses, light, {**records, **unit_records}, rng, batch_size
             )
     position = {id(leaf): k for k, leaf in enumerate(diff)}
+    unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
+    found = Captured(diff, params, position, modules, records, unit_grads, tied, canonical, None)
+    if not (norms or not checked):
+        return found
     squared: list[Any] = [None] * len(diff)
     sharing = {owner for owners in tied.values() for owner, _ in owners}
     unshared = {name: module for name, module in modules.items() if name not in sharing}
@@ -322,7 +352,6 @@ def ghost(
         squared[position[id(params[name])]] = values
     for name, values in _tied_squared_norms(modules, records, params, tied, canonical).items():
         squared[position[id(params[name])]] = values
-    unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
     for name, grads in unit_grads.items():
         squared[position[id(params[name])]] = (grads**2).reshape(batch_size, -1).sum(1)
     if not checked:
@@ -336,29 +365,102 @@ def ghost(
         loss.ghost_checked.add(key)
     _fill_zeros(params, position, squared, batch_size)
     del batch_grads  # P numbers no longer needed: keep the peak at one gradient's worth
+    found.squared = squared
+    return found
+
+
+def ghost(
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    weights_from: WeightsFn | None,
+) -> Reduction:
+    """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy."""
+    found = capture(spec, call, loss, layers)
+    squared, params, position = found.squared, found.params, found.position
+    assert squared is not None
     if weights_from is None:
         return Reduction(squared, None)
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
     # weight: one weight-gradient computation, no second backward pass.
-    sums: list[Any] = [torch.zeros_like(x) for x in diff]
-    for weights, leaves in weight_groups(weights_from(squared), len(diff)):
+    sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
+    for weights, leaves in weight_groups(weights_from(squared), len(found.diff)):
         group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
         owners = {
-            m: module for m, module in modules.items() if _owns_any(m, module, group, canonical)
+            m: module
+            for m, module in found.modules.items()
+            if _owns_any(m, module, group, found.canonical)
         }
         computed = _per_layer(
-            owners, records, params, _weighted_sum_of(weights.detach()), canonical
+            owners, found.records, params, _weighted_sum_of(weights.detach()), found.canonical
         )
         for name, value in computed:
             if name in group:  # a tied parameter's weighted sum: the sum of its uses'
                 k = position[id(params[name])]
-                sums[k] = sums[k] + value if name in tied else value
-        for name in group & set(unit_grads):
-            grads = unit_grads[name]
+                sums[k] = sums[k] + value if name in found.tied else value
+        for name in group & set(found.unit_grads):
+            grads = found.unit_grads[name]
             sums[position[id(params[name])]] = torch.tensordot(
                 weights.detach().to(grads.dtype), grads, dims=1
             )
     return Reduction(squared, sums)
+
+
+def layerwise(
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    reduction: str,
+    args: tuple[Any, ...],
+) -> list[LeafReduction]:
+    """Plug-in reduction ``reduction`` (``capture/rules.register_reduction``) of each parameter
+    whose layer's rule has it, from one captured pass; per-example gradients of the others
+    (a layer without the plug-in: its rule's ``per_example``; a generic unit's parameters; a
+    tied parameter: the sum of its uses', as a plug-in need not be linear)."""
+    found = capture(spec, call, loss, layers, norms=False)
+    params, position = found.params, found.position
+    results: list[LeafReduction | None] = [None] * len(found.diff)
+    tied: dict[str, torch.Tensor] = {}
+    for module_name, module in found.modules.items():
+        rule = rule_for(module)
+        plug_in = rule.reduction(reduction)
+        uses_tied = any(
+            found.canonical.get(_full_name(module_name, p)) in found.tied
+            for p, _ in module.named_parameters(recurse=False)
+        )
+        calls = layer_calls(module_name, found.records[module_name])
+        if not calls:  # never called, or its output did not reach the loss: zeros below
+            continue
+        own = [
+            p
+            for p, _ in module.named_parameters(recurse=False)
+            if found.canonical.get(_full_name(module_name, p)) in params
+        ]
+        with torch.no_grad():
+            values = plug_in(module, calls, *args) if plug_in is not None else {}
+            missing = uses_tied or any(p not in values for p in own)
+            grads = rule.per_example(module, calls) if missing else {}
+        for param_name in own:
+            name = found.canonical[_full_name(module_name, param_name)]
+            k = position[id(params[name])]
+            if name in found.tied:
+                grad = grads[param_name]
+                tied[name] = tied[name] + grad if name in tied else grad
+            elif param_name in values:
+                results[k] = LeafReduction(values[param_name], True)
+            else:
+                results[k] = LeafReduction(grads[param_name], False)
+    for name, value in {**tied, **found.unit_grads}.items():
+        results[position[id(params[name])]] = LeafReduction(value, False)
+    batch_size = call.batch_size
+    return [
+        result
+        if result is not None
+        else LeafReduction(leaf.detach().new_zeros((batch_size, *leaf.shape)), False)
+        for result, leaf in zip(results, found.diff)
+    ]
 
 
 def _check_layout(

@@ -50,6 +50,7 @@ from pergrad._src.strategies import chunked, loop, materialize, vmap
 from pergrad._src.strategies.protocol import (
     Assessment,
     GradsRequest,
+    LeafReduction,
     ReduceRequest,
     Reduction,
     StrategyChoice,
@@ -245,17 +246,37 @@ def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> 
     """Plug-in reduction ``reduction`` of each differentiated leaf over one captured pass
     (:class:`LeafReduction` per leaf, in the core's flat order): the capture engine of the
     call's framework runs once, and each layer (PyTorch) or contraction (JAX) whose rule has
-    the plug-in reduces its records; the other leaves come back as per-example gradients."""
-    if request.call.backend.name == "jax":
-        from pergrad._src.capture.jax_engine import plan
-        from pergrad._src.strategies import ghost_jax
+    the plug-in reduces its records; the other leaves come back as per-example gradients.
+    Where the engine cannot take the call (a PyTorch loss not made by ``module_loss``, a layer
+    it cannot capture), every leaf comes back as per-example gradients, with a
+    :class:`pergrad.FallbackWarning` saying why."""
+    call = request.call
+    try:
+        if call.backend.name == "jax":
+            from pergrad._src.capture.jax_engine import plan
+            from pergrad._src.strategies import ghost_jax
 
-        found = plan(request.spec, request.call)
-        return ghost_jax.layerwise(request.call, found, reduction, args)
-    raise PergradValueError(
-        f"{request.spec.func_name}: plug-in reductions run on JAX losses so far; got a "
-        f"{request.call.backend.name} loss."
+            return ghost_jax.layerwise(call, plan(request.spec, call), reduction, args)
+        verdict = _assess_ghost(request, False, {})
+        if (
+            verdict.choice is not None
+            and not verdict.choice.unsupported
+            and _is_module_loss(request.fn)
+        ):
+            from pergrad._src.strategies import ghost_torch
+
+            return ghost_torch.layerwise(
+                request.spec, call, request.fn, verdict.choice.layers, reduction, args
+            )
+        why = verdict.why
+    except GhostUnsupported as err:
+        why = str(err)
+    _warn_from_caller(
+        f"{request.spec.func_name}: the capture engine cannot take this call ({why}); every "
+        f"leaf comes back as per-example gradients, for the caller to reduce."
     )
+    grads = request.materialize()
+    return [LeafReduction(g, False) for g in call.backend.flatten(grads)[1]]
 
 
 STRATEGIES: tuple[Strategy, ...] = (
