@@ -647,17 +647,37 @@ def test_empty_batch():
     st.integers(1, 7),  # T
     st.integers(1, 5),  # p
     st.integers(1, 5),  # q
+    st.sampled_from([1, 200, 2**27]),  # bytes per block of Gram matrices: 1 x 1 blocks to whole
 )
-def test_outer_product_squared_norms_equal_the_formed_gradient(batch, groups, positions, p, q):
-    """Both branches (Gram matrices for T^2 <= p q, the formed a^T d otherwise), float64."""
-    from pergrad._src.capture.torch_layers import outer_product_squared_norms
+def test_outer_product_squared_norms_equal_the_formed_gradient(
+    batch, groups, positions, p, q, block_bytes
+):
+    """Both branches (Gram matrices where they are cheaper, in blocks of T; the formed a^T d
+    otherwise), float64."""
+    from pergrad._src.capture import torch_layers
 
     generator = torch.Generator().manual_seed(batch * 1000 + positions * 10 + p)
     a = torch.randn(batch, groups, positions, p, generator=generator, dtype=torch.float64)
     d = torch.randn(batch, groups, positions, q, generator=generator, dtype=torch.float64)
     formed = torch.einsum("bgtp,bgtq->bgpq", a, d)
     expected = (formed**2).sum((1, 2, 3))
-    assert_close(t_numpy(outer_product_squared_norms(a, d)), t_numpy(expected), rtol=1e-12)
+    saved = torch_layers.GRAM_BLOCK_BYTES
+    torch_layers.GRAM_BLOCK_BYTES = block_bytes
+    try:
+        result = torch_layers.outer_product_squared_norms(a, d)
+    finally:
+        torch_layers.GRAM_BLOCK_BYTES = saved
+    assert_close(t_numpy(result), t_numpy(expected), rtol=1e-12)
+
+
+def test_the_gram_route_is_taken_where_it_is_cheaper():
+    """The measured cost model (benchmarks/gram_precision.py): GPT-2-like shapes."""
+    from pergrad._src.capture.torch_layers import gram_is_cheaper
+
+    assert gram_is_cheaper(64, 256, 1024)  # measured 6.2 ms Gram vs 16.1 ms formed
+    assert gram_is_cheaper(32, 768, 768)  # 1.8 vs 30.8
+    assert not gram_is_cheaper(128, 256, 256)  # 8.2 vs 2.4
+    assert not gram_is_cheaper(1024, 768, 768)
 
 
 @settings(max_examples=25, deadline=None)

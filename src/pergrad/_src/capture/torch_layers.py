@@ -53,10 +53,11 @@ def outer_product_squared_norms(
       output_grads: ``(B, G, T, q)`` the gradients at its outputs.
 
     Returns:
-      ``(B,)``. For one position it is ``|a|^2 |d|^2``; for ``T^2 <= p q`` the Gram matrices
-      give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large language models can be strong
-      differentially private learners"); otherwise forming ``a^T d`` (``p x q`` per example and
-      group, this layer only) is cheaper.
+      ``(B,)``. For one position it is ``|a|^2 |d|^2``; where :func:`gram_is_cheaper` the
+      Gram matrices give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large language models can
+      be strong differentially private learners"), ``T x T`` blocks at a time so that their
+      memory stays under :data:`GRAM_BLOCK_BYTES`; otherwise forming ``a^T d`` (``p x q`` per
+      example and group, this layer only) is cheaper.
 
     The Gram route is computed in float64 whatever the inputs' dtype. Its sum
     ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` cancels wherever the per-position gradients
@@ -71,13 +72,43 @@ def outer_product_squared_norms(
     if positions == 1:
         return ((activations**2).sum(-1) * (output_grads**2).sum(-1)).sum((1, 2))
     # MPS has no float64: there the gradient is formed
-    if positions * positions <= width_in * width_out and activations.device.type != "mps":
-        wide_in, wide_out = activations.double(), output_grads.double()
-        gram_in = wide_in @ wide_in.transpose(-1, -2)
-        gram_out = wide_out @ wide_out.transpose(-1, -2)
-        return (gram_in * gram_out).sum((1, 2, 3)).to(activations.dtype)
+    if gram_is_cheaper(positions, width_in, width_out) and activations.device.type != "mps":
+        return _blocked_gram(activations.double(), output_grads.double()).to(activations.dtype)
     per_example = activations.transpose(-1, -2) @ output_grads
     return (per_example**2).sum((1, 2, 3))
+
+
+# The per-layer cost model of the ghost norm. Measured by benchmarks/gram_precision.py (2-core
+# CPU): an entry of the float64 Gram route, B T^2 (p + q) of them, costs about 1/50 of an entry
+# of the formed per-example gradient, B p q of them (writing and squaring B x p x q numbers is
+# memory-bound where T is small next to p and q).
+GRAM_COST_RATIO = 50
+# Gram matrices of a long sequence are formed in T x T blocks of at most this many bytes (both
+# matrices, the whole batch): T = 2048, B = 16 in one piece would be 1 GiB in float64.
+GRAM_BLOCK_BYTES = 2**27
+
+
+def gram_is_cheaper(positions: int, width_in: int, width_out: int) -> bool:
+    """Whether the Gram route (``T^2 (p + q)`` float64 work per example) costs less than
+    forming the ``p x q`` per-example gradient, by the measured :data:`GRAM_COST_RATIO`."""
+    return positions * positions * (width_in + width_out) <= GRAM_COST_RATIO * width_in * width_out
+
+
+def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example for ``a (B, G, T, p)``, ``d (B, G, T,
+    q)``, over ``T x T`` blocks of at most :data:`GRAM_BLOCK_BYTES`."""
+    batch, groups, positions = a.shape[:3]
+    per_entry = 2 * batch * groups * a.element_size()
+    block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
+    total = a.new_zeros(batch)
+    for start in range(0, positions, block):
+        rows_a, rows_d = a[:, :, start : start + block], d[:, :, start : start + block]
+        for other in range(0, positions, block):
+            cols_a, cols_d = a[:, :, other : other + block], d[:, :, other : other + block]
+            gram_a = rows_a @ cols_a.transpose(-1, -2)
+            gram_d = rows_d @ cols_d.transpose(-1, -2)
+            total = total + (gram_a * gram_d).sum((1, 2, 3))
+    return total
 
 
 def _squared(per_example: torch.Tensor) -> torch.Tensor:
@@ -289,7 +320,8 @@ def conv_weighted_sum(
 
 def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
     """Gram matrices of unfolded patches (Conv1d / Conv2d only) when the output has few
-    positions, ``T^2 < p q``; else the per-example weight gradients (``B x weight``)."""
+    positions, ``T^2 < p q``; else the per-example weight gradients (``B x weight``). (Not
+    :func:`gram_is_cheaper`, whose constant was measured for linear layers.)"""
     if not isinstance(layer, (nn.Conv1d, nn.Conv2d)):
         return False
     positions = sum(c.output_grad[0, 0].numel() for c in calls)
