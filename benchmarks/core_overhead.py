@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +41,10 @@ from torch import nn
 from torch.func import functional_call
 
 import pergrad
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import cpu_model, load_average  # noqa: E402
+from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.report import markdown_table
+from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench.workloads import MLP, SimpleCNN, jax_cnn_log_probs, jax_mlp_log_probs
 
 Grads = dict[str, Any]  # parameter name -> per-example gradients, leading axis B
 Methods = dict[tuple[str, str], Callable[[], Any]]  # (framework, method) -> one timed call
@@ -54,75 +53,6 @@ Timings = dict[tuple[str, str], list[float]]  # (framework, method) -> seconds o
 PERGRAD, HAND_WRITTEN, LOOP, BATCH_GRAD = "pergrad", "hand-written", "loop", "batch grad"
 PERGRAD_MODULE_LOSS = "pergrad (module_loss)"
 FRAMEWORKS = ("torch", "jax")
-
-
-# --------------------------------------------------------------------------------------------
-# The models: torch modules and JAX functions over the same parameter names and layouts.
-
-
-class SimpleCNN(nn.Module):
-    """The model of the PyTorch per-sample-gradients tutorial (with its log_softmax applied)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = torch.flatten(F.max_pool2d(x, 2), 1)
-        x = F.relu(self.fc1(x))
-        return F.log_softmax(self.fc2(x), dim=1)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(784, 512)
-        self.fc2 = nn.Linear(512, 512)
-        self.fc3 = nn.Linear(512, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
-
-
-def jax_linear(params: Grads, name: str, x: jax.Array) -> jax.Array:
-    return x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
-
-
-def jax_conv2d(params: Grads, name: str, x: jax.Array) -> jax.Array:
-    out = jax.lax.conv_general_dilated(
-        x,
-        params[f"{name}.weight"],
-        window_strides=(1, 1),
-        padding="VALID",
-        dimension_numbers=("NCHW", "OIHW", "NCHW"),
-    )
-    return out + params[f"{name}.bias"][None, :, None, None]
-
-
-def jax_max_pool2d(x: jax.Array, size: int) -> jax.Array:
-    window = (1, 1, size, size)
-    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, "VALID")
-
-
-def jax_cnn_log_probs(params: Grads, x: jax.Array) -> jax.Array:
-    x = jax.nn.relu(jax_conv2d(params, "conv1", x))
-    x = jax.nn.relu(jax_conv2d(params, "conv2", x))
-    x = jax_max_pool2d(x, 2).reshape(x.shape[0], -1)
-    x = jax.nn.relu(jax_linear(params, "fc1", x))
-    return jax.nn.log_softmax(jax_linear(params, "fc2", x))
-
-
-def jax_mlp_log_probs(params: Grads, x: jax.Array) -> jax.Array:
-    x = jax.nn.relu(jax_linear(params, "fc1", x))
-    x = jax.nn.relu(jax_linear(params, "fc2", x))
-    return jax.nn.log_softmax(jax_linear(params, "fc3", x))
 
 
 @dataclass(frozen=True)
@@ -223,36 +153,6 @@ def jax_methods(workload: Workload, weights: Grads, x: np.ndarray, y: np.ndarray
 # Shared: timing, correctness, tables.
 
 
-def time_interleaved(methods: Methods, rounds: int, warmup: int) -> Timings:
-    """Seconds per call of each method; every round runs each method once, in a rotated order.
-
-    The collector runs between rounds, never during a call; the objects that exist after the
-    warm-up are frozen out of it first. A full collection walks every object of the process
-    (torch and JAX make hundreds of thousands) and leaves the caches cold: the calls after it
-    took twice as long on the small workloads (linreg: 1.6 ms instead of 0.6 ms).
-    """
-    for call in methods.values():
-        for _ in range(warmup):
-            call()
-    keys = list(methods)
-    times: Timings = {key: [] for key in keys}
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        for r in range(rounds):
-            gc.collect()  # only what the timed calls left behind
-            shift = r % len(keys)
-            for key in keys[shift:] + keys[:shift]:
-                start = time.perf_counter()
-                methods[key]()
-                times[key].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
-        gc.unfreeze()
-    return times
-
-
 def to_numpy(x: Any) -> np.ndarray:
     return x.detach().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
@@ -265,11 +165,6 @@ def median_ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds)
 
 
-def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    """Median over rounds of the per-round ratio: robust to noise that hits a whole round."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
-
-
 @dataclass
 class WorkloadResult:
     workload: Workload
@@ -277,11 +172,6 @@ class WorkloadResult:
     times: Timings
     pergrad_vs_loop: dict[str, float]  # framework -> max abs diff
     torch_vs_jax: float  # max abs diff between the two frameworks' pergrad gradients
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
 def summary_table(results: list[WorkloadResult]) -> str:

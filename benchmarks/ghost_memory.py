@@ -36,8 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
-from benchmarks.machine import cpu_model  # noqa: E402
+from pergrad.bench.machine import cpu_model
 
 WIDTHS = (1024, 2048, 2048, 10)
 STRATEGIES = ("materialize", "chunked", "ghost")

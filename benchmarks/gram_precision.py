@@ -5,8 +5,9 @@ Run:  python benchmarks/gram_precision.py [--out PATH]
 For a layer applied at T positions, the ghost norm ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` is
 computed in float64 (float32 rounds badly where per-position gradients cancel). Side by side in
 one run, medians of 7 (interleaved), on float32 inputs: the float32 Gram route it replaced, the
-float64 one pergrad uses (``outer_product_squared_norms``), forming the per-example gradient
-``a^T d`` instead, and the layer's own forward pass as the unit of cost.
+float64 one pergrad uses (in T x T blocks), forming the per-example gradient ``a^T d`` instead,
+the layer's own forward pass as the unit of cost, and what pergrad's per-layer cost model
+(``torch_layers.gram_is_cheaper``, issue 19) picks and costs.
 """
 
 from __future__ import annotations
@@ -16,16 +17,25 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import cpu_model  # noqa: E402
-from pergrad._src.capture.torch_layers import outer_product_squared_norms  # noqa: E402
+from pergrad._src.capture import torch_layers
+from pergrad.bench.machine import cpu_model
 
-SHAPES = [(16, 128, 256, 256), (16, 64, 256, 1024), (8, 128, 768, 768), (16, 32, 768, 768)]
+SHAPES = [
+    (16, 128, 256, 256),
+    (16, 64, 256, 1024),
+    (8, 128, 768, 768),
+    (16, 32, 768, 768),
+    (4, 512, 768, 768),
+    (2, 1024, 768, 3072),
+]
+
+
+def float64_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return torch_layers._blocked_gram(a.double(), d.double())  # noqa: SLF001
 
 
 def float32_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -44,8 +54,8 @@ def main() -> None:
     torch.manual_seed(0)
     lines = [
         "| B | T | in | out | float32 Gram ms | float64 Gram ms | formed ms | layer forward ms "
-        "| float64 / float32 | float64 / forward |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| float64 / float32 | float64 / forward | pergrad takes | pergrad ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for batch, length, width_in, width_out in SHAPES:
         a = torch.randn(batch, 1, length, width_in)
@@ -53,7 +63,8 @@ def main() -> None:
         w = torch.randn(width_in, width_out)
         methods = {
             "f32": (float32_gram, (a, d)),
-            "f64": (outer_product_squared_norms, (a, d)),
+            "f64": (float64_gram, (a, d)),
+            "pergrad": (torch_layers.outer_product_squared_norms, (a, d)),
             "formed": (formed, (a, d)),
             "forward": (torch.matmul, (a, w)),
         }
@@ -69,7 +80,9 @@ def main() -> None:
         lines.append(
             f"| {batch} | {length} | {width_in} | {width_out} | {ms['f32']:.2f} | {ms['f64']:.2f} "
             f"| {ms['formed']:.2f} | {ms['forward']:.2f} | {ms['f64'] / ms['f32']:.2f} "
-            f"| {ms['f64'] / ms['forward']:.2f} |"
+            f"| {ms['f64'] / ms['forward']:.2f} "
+            f"| {'Gram' if torch_layers.gram_is_cheaper(length, width_in, width_out) else 'formed'} "
+            f"| {ms['pergrad']:.2f} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -34,8 +34,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
-from benchmarks.machine import cpu_model, load_average  # noqa: E402
+from pergrad.bench.machine import cpu_model, load_average
 
 L2 = 1e-2  # weight of (L2 / 2) |w|^2 in every example's loss
 N_TRAIN, N_LOO, SEED = 250, 50, 0

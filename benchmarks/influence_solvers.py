@@ -18,16 +18,14 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import cpu_model  # noqa: E402
-from pergrad._src.influence import ihvp  # noqa: E402
-from pergrad._src.influence.scores import FlatLoss  # noqa: E402
+from pergrad._src.influence import ihvp
+from pergrad._src.influence.scores import FlatLoss
+from pergrad.bench.machine import cpu_model
 
 GRID = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
 L2 = 1e-3

@@ -27,8 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # not opacus's
-from benchmarks.machine import cpu_model, load_average  # noqa: E402
+from pergrad.bench.machine import cpu_model, load_average
 
 DEVICE_COUNTS = (1, 2, 4)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu" / "scaling_jax.md"

@@ -40,9 +40,7 @@ from torch import nn
 
 import pergrad
 from pergrad import dp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import cpu_model, load_average  # noqa: E402
+from pergrad.bench.machine import cpu_model, load_average
 
 MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.1
 

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # opacus ships a `benchmarks` too
-import pergrad  # noqa: E402
-from benchmarks.report import machine_info  # noqa: E402
+import pergrad
+from pergrad.bench.report import machine_info
 
 STRATEGIES = ("auto", "vmap", "hooks", "loop")
 

@@ -1,4 +1,10 @@
-"""Shared fixtures: one small array namespace per backend, so a test runs on both."""
+"""Shared fixtures: one small array namespace per backend, so a test runs on both.
+
+The device switch: ``PERGRAD_TEST_DEVICE`` (default ``cpu``; e.g. ``cuda``, ``cuda:1``) is the
+torch device the tests make tensors on; ``fw.array`` (torch) and the ``device`` fixture follow
+it. JAX tests run on whatever ``jax.devices()`` gives (``JAX_PLATFORMS=cpu`` to pin the CPU).
+See tests/README.md.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,64 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+DEVICE_VARIABLE = "PERGRAD_TEST_DEVICE"
+
+
+def torch_device_name() -> str:
+    """The torch device tests make tensors on: ``$PERGRAD_TEST_DEVICE``, default ``"cpu"``."""
+    return os.environ.get(DEVICE_VARIABLE, "cpu").strip() or "cpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A device that does not exist stops the run at once, with the reason, instead of failing
+    every torch test. Only a device other than the CPU imports torch here."""
+    config.addinivalue_line(
+        "markers",
+        "cpu_only(reason): runs only when PERGRAD_TEST_DEVICE is cpu; skipped elsewhere with the "
+        "reason",
+    )
+    name = torch_device_name()
+    if name == "cpu":
+        return
+    try:
+        import torch
+    except ImportError:
+        return  # the torch tests skip themselves
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"{DEVICE_VARIABLE}={name!r} is not a torch device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"{DEVICE_VARIABLE}={name}: torch {torch.__version__} sees no GPU "
+            "(torch.cuda.is_available() is False)"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch_device_name() == "cpu":
+        return
+    for item in items:
+        if marker := item.get_closest_marker("cpu_only"):
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "CPU only")
+            why = f"not on {DEVICE_VARIABLE}={torch_device_name()}: {reason}"
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (
+        f"pergrad: torch tensors on {DEVICE_VARIABLE}={torch_device_name()}; "
+        "JAX on its default device (JAX_PLATFORMS to choose)"
+    )
+
+
+@pytest.fixture
+def device() -> Any:
+    """The torch device of the run (``$PERGRAD_TEST_DEVICE``): ``torch.zeros(3, device=device)``,
+    ``model.to(device)``. Skips the test when torch is not installed."""
+    torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch installed")
+    return torch.device(torch_device_name())
+
 
 @dataclass
 class Framework:
@@ -27,6 +91,7 @@ class Framework:
     sum: Callable[[Any], Any]
     tanh: Callable[[Any], Any]
     matmul: Callable[[Any, Any], Any]
+    device: Any = None  # torch: the device of the run, for tensors a test makes itself
 
 
 def _jax_framework() -> Framework:
@@ -41,15 +106,17 @@ def _jax_framework() -> Framework:
 
 def _torch_framework() -> Framework:
     torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch installed")
+    device = torch.device(torch_device_name())
 
     def array(x: Any) -> Any:
         x = np.asarray(x)
-        return torch.from_numpy(x.astype(np.float32) if x.dtype.kind == "f" else x.copy())
+        x = x.astype(np.float32) if x.dtype.kind == "f" else x.copy()
+        return torch.from_numpy(x).to(device)
 
     def to_numpy(x: Any) -> np.ndarray:
         return x.detach().cpu().numpy()
 
-    return Framework("torch", array, to_numpy, torch.sum, torch.tanh, torch.matmul)
+    return Framework("torch", array, to_numpy, torch.sum, torch.tanh, torch.matmul, device)
 
 
 @pytest.fixture(params=["jax", "torch"])

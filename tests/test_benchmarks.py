@@ -1,4 +1,5 @@
-"""The benchmark command runs, and every available method agrees with the loop."""
+"""The benchmark command (``python -m pergrad.bench``, shipped in the package) runs, and every
+available method agrees with the loop."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ pytest.importorskip("jax")
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory) -> tuple[dict, Path]:
+    """A quick run as a pip user makes it: from a folder outside the repository."""
     out = tmp_path_factory.mktemp("bench")
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)]
-    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    command = [sys.executable, "-m", "pergrad.bench", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=out, check=True, capture_output=True, timeout=300)
     return json.loads((out / "results.json").read_text()), out
 
 
 def test_quick_run_writes_results(quick_results) -> None:
+    import torch
+
     results, out = quick_results
     text = (out / "results.md").read_text()
     assert text.startswith("# pergrad benchmarks")
@@ -33,11 +37,15 @@ def test_quick_run_writes_results(quick_results) -> None:
     assert (out / "ratio_to_floor.png").exists()
     assert (out / "time_vs_batch_size.png").exists()
     assert results["machine"]["cores"] and results["run"]["mode"] == "quick"
+    default = "cuda" if torch.cuda.is_available() else "cpu"  # the default device
+    assert results["run"]["device"] == default
+    assert results["machine"]["device"].startswith(default)
+    assert f"- device: torch on {results['machine']['device']}; JAX on " in text
+    assert results["run"]["command"].startswith("python -m pergrad.bench --quick")
 
 
 def test_every_available_method_has_rows_that_agree_with_the_loop(quick_results) -> None:
-    sys.path.insert(0, str(REPO_ROOT))  # opacus installs a top-level `benchmarks` package too
-    from benchmarks.methods import METHODS
+    from pergrad.bench.methods import METHODS
 
     results, _ = quick_results
     skipped = {s["method"] for s in results["skipped"]}
@@ -54,8 +62,7 @@ def test_every_available_method_has_rows_that_agree_with_the_loop(quick_results)
 
 
 def test_ratios_to_the_floors_and_to_each_frameworks_loop(quick_results) -> None:
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.methods import LOOPS
+    from pergrad.bench.methods import LOOPS
 
     results, _ = quick_results
     rows = [r for r in results["rows"] if r["status"] == "ok"]
@@ -86,8 +93,7 @@ def test_ratios_to_the_floors_and_to_each_frameworks_loop(quick_results) -> None
 
 def test_memory_plot_of_the_sweep(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.report import plot_memory_sweep
+    from pergrad.bench.report import plot_memory_sweep
 
     rows = [
         {"workload": "sweep", "status": "ok", "method": m, "framework": fw, "batch_size": b}
@@ -102,22 +108,114 @@ def test_memory_plot_of_the_sweep(tmp_path) -> None:
 
 
 def test_memory_probe_runs_in_a_subprocess() -> None:
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.memory import measure
+    from pergrad.bench.memory import measure
 
     result = measure("linreg", "torch loop", 32)
     assert result["peak_mib"] is not None and result["peak_mib"] >= 0, result
 
 
 def test_memory_probe_of_several_batch_sizes_in_one_subprocess() -> None:
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.memory import measure_sizes
+    from pergrad.bench.memory import measure_sizes
 
     by_size = measure_sizes("sweep", "torch write B×P", (8, 512))
     assert set(by_size) == {8, 512}
     assert all(r["peak_mib"] is not None for r in by_size.values()), by_size
     # 512 examples of an MLP with 34k parameters: 512 x 34k float32 numbers, 66 MiB
     assert by_size[512]["peak_mib"] > 50 > by_size[8]["peak_mib"], by_size
+
+
+def test_results_go_under_the_working_directory_by_default(monkeypatch) -> None:
+    """A pip user's results land in ./pergrad-bench-results/<device>, never in site-packages;
+    the repository's `python -m benchmarks` keeps writing to benchmarks/results/<device>."""
+    from pergrad.bench.cli import parse_args
+
+    args = parse_args(["--device", "cpu"])
+    assert args.out == Path("pergrad-bench-results") / "cpu" and not args.out.is_absolute()
+    assert args.device.type == "cpu"
+    repository = parse_args(["--device", "cpu"], "python -m benchmarks", REPO_ROOT / "results")
+    assert repository.out == REPO_ROOT / "results" / "cpu"
+    assert parse_args(["--device", "cpu", "--out", "x"]).out == Path("x")
+
+
+def test_an_unusable_device_is_a_usage_error_that_says_why(capsys) -> None:
+    import torch
+
+    from pergrad.bench.cli import parse_args
+
+    with pytest.raises(SystemExit) as raised:
+        parse_args(["--device", "tpu"])
+    assert raised.value.code == 2
+    assert "--device: expected cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda"])
+        assert "sees no GPU" in capsys.readouterr().err
+
+
+def test_a_missing_peer_is_skipped_with_a_note(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    import torch
+
+    from pergrad.bench.cli import available_methods
+
+    find_spec = importlib.util.find_spec
+    absent = {"opacus", "jax"}
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in absent else find_spec(name, *a),
+    )
+    methods, skipped, jax_device = available_methods(torch.device("cpu"))
+    assert jax_device is None
+    assert all(m.framework == "torch" and "opacus" not in m.requires for m in methods)
+    reasons = {s["method"]: s["reason"] for s in skipped}
+    assert reasons["opacus GradSampleModule"] == "missing opacus"
+    assert reasons["pergrad (jax, jit)"] == "missing jax"
+    assert "note: skipping 'opacus ghost norms': missing opacus" in capsys.readouterr().err
+
+
+def test_without_torch_the_command_says_it_needs_torch() -> None:
+    hide_torch = "import sys; sys.modules['torch'] = None; from pergrad.bench import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", hide_torch], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert "pergrad.bench needs PyTorch, which is not installed" in done.stderr
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_torch_methods_run_on_the_device_of_the_model() -> None:
+    """Every torch method moves the batch to the model's device and makes its own tensors there
+    (the meta device: shapes only, so this runs anywhere; `--device cuda` takes the same path)."""
+    import torch
+
+    from pergrad.bench.methods import METHODS
+    from pergrad.bench.workloads import WORKLOADS, build
+
+    # pergrad's ghost norms check the captured layout numerically on their first call.
+    reads_values = {"pergrad norms (torch)"}
+    workload = WORKLOADS["mlp"]
+    for method in METHODS:
+        if method.framework != "torch" or method.missing() or method.name in reads_values:
+            continue
+        model, x, y = build(workload, 2, torch.device("meta"))
+        result = method.build(workload, model, x, y)()
+        tensors = result.values() if isinstance(result, dict) else [result]
+        assert {t.device.type for t in tensors} == {"meta"}, method.name
+
+
+def test_the_repository_command_is_a_thin_alias() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks")
+    assert "benchmarks/results" in done.stdout.replace("\n", "").replace(" ", "")
 
 
 def test_strategies_benchmark_quick_run(tmp_path) -> None:

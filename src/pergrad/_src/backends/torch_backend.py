@@ -176,7 +176,11 @@ class TorchBackend:
         return torch.as_tensor(x, device=like.device if isinstance(like, torch.Tensor) else None)
 
     def standard_normal(self, rng: Any, like: Any) -> Any:
-        return torch.randn(like.shape, generator=rng, dtype=like.dtype, device=like.device)
+        # torch.randn refuses a generator of another device (a CPU generator for CUDA noise):
+        # draw on the generator's device, then move the draw to like's.
+        device = like.device if rng is None else rng.device
+        draw = torch.randn(like.shape, generator=rng, dtype=like.dtype, device=device)
+        return draw.to(like.device)
 
     def split_key(self, rng: Any, num: int) -> Any:
         return [rng] * num  # a torch.Generator advances by itself

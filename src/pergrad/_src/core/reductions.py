@@ -165,7 +165,7 @@ def clipped_sum_of(
     count = real.sum()
     # norms > bound, not factors < 1: bound / norm can round to just under 1 for a norm at or
     # below the bound (float32, a bound not representable in it).
-    clipped = sum((n > b) * 1.0 for n, b in zip(norms, bounds)).clip(max=1.0) * real
+    clipped = sum(n * 0 + (n > b) for n, b in zip(norms, bounds)).clip(max=1.0) * real
     return ClippedSum(
         sum=rebuild_grads(spec, call, reduction.weighted_sums),
         norms=norms[0] if ids is None else norms,
@@ -328,7 +328,7 @@ def _global_norms(squared: list[Any]) -> Any:
 
 def _real(like: Any, mask: Any) -> Any:
     """1 for real examples, 0 for padding: ``(B,)`` like ``like``."""
-    return like * 0 + 1.0 if mask is None else mask * 1.0
+    return like * 0 + (1.0 if mask is None else mask)  # like's dtype and device
 
 
 def _check_mask(func_name: str, call: Call, mask: Any) -> None:

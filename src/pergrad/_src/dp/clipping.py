@@ -123,7 +123,8 @@ def clipped_sum(
     ids, bounds = clip_groups("clipped_sum", bk, grads, max_norm)
     group_norms = _group_norms(flat, ids, len(bounds))
     factors = [clip_factors(n, b) for n, b in zip(group_norms, bounds)]
-    real = factors[0] * 0 + 1.0 if mask is None else _check_mask(bk, mask, batch_size)
+    # in the norms' dtype and device (a bfloat16 model's weights @ grads refuses float32)
+    real = factors[0] * 0 + (1.0 if mask is None else _check_mask(bk, mask, batch_size))
     weights = [f * real for f in factors]
     _, leaves, _ = bk.flatten(grads)
     summed = [
@@ -131,7 +132,7 @@ def clipped_sum(
         for f_leaf, leaf, g in zip(flat, leaves, ids)
     ]
     # Compare norms with bounds, not factors with 1: bound / bound can round below 1 in float32.
-    clipped_any = sum((n > b) * 1.0 for n, b in zip(group_norms, bounds)).clip(max=1.0) * real
+    clipped_any = sum(n * 0 + (n > b) for n, b in zip(group_norms, bounds)).clip(max=1.0) * real
     count = real.sum()
     return ClippedSum(
         sum=bk.unflatten(treedef, summed),
@@ -149,7 +150,7 @@ def _check_mask(bk: Backend, mask: Any, batch_size: int) -> Any:
             f"clipped_sum: mask must be a ({batch_size},) array of the gradients' framework "
             f"(True for real examples, False for padding); got {shape}."
         )
-    return mask * 1.0
+    return mask
 
 
 def add_noise(summed: Any, std: float, rng: Any) -> Any:

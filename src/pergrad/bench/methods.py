@@ -12,8 +12,9 @@ whole batch, one of:
   gradient alone.
 
 Every call blocks until its result is computed (``jax.block_until_ready``, CUDA synchronize).
-A method whose package is missing is skipped; one that raises on a workload is reported as
-unsupported there.
+Torch methods run on the device of the model they are given (data moved there); JAX methods on
+the JAX device of the same kind (``jax_device``). A method whose package is missing is skipped;
+one that raises on a workload is reported as unsupported there.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from benchmarks.workloads import Workload, jax_batch_loss, torch_loss
+from pergrad.bench.workloads import Workload, jax_batch_loss, torch_loss
 
 Call = Callable[[], Any]
 
@@ -46,25 +47,44 @@ class Method:
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
 
 
-def torch_device() -> torch.device:
+def default_device() -> torch.device:
+    """cuda if torch sees a GPU, else cpu."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def synced(call: Call) -> Call:
-    if torch_device().type != "cuda":
+def device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def jax_device(device: torch.device) -> Any:
+    """The JAX device of the same kind as torch's ``device`` (its index on a multi-GPU
+    machine), or None when JAX has none of that kind (a CPU-only jaxlib)."""
+    import jax
+
+    platform = "gpu" if device.type == "cuda" else device.type
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        return None
+    return devices[device.index or 0] if (device.index or 0) < len(devices) else None
+
+
+def synced(call: Call, device: torch.device) -> Call:
+    if device.type != "cuda":
         return call
 
     def run() -> Any:
         out = call()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         return out
 
     return run
 
 
 def torch_inputs(model: nn.Module, x: np.ndarray, y: np.ndarray):
-    device = torch_device()
-    return model.to(device), torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+    """The model and the batch as tensors on the model's device."""
+    device = device_of(model)
+    return model, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
 
 
 def loss_of_one(workload: Workload, model: nn.Module):
@@ -97,7 +117,7 @@ def build_torch_floor(workload, model, x, y) -> Call:
         loss = torch_loss(workload, model(x_t), y_t)
         return dict(zip(names, torch.autograd.grad(loss, weights)))
 
-    return synced(call)
+    return synced(call, device_of(model))
 
 
 def build_torch_loop(workload, model, x, y) -> Call:
@@ -111,7 +131,7 @@ def build_torch_loop(workload, model, x, y) -> Call:
             rows.append(torch.autograd.grad(loss, weights))
         return {name: torch.stack(column) for name, column in zip(names, zip(*rows))}
 
-    return synced(call)
+    return synced(call, device_of(model))
 
 
 def build_pergrad_torch(workload, model, x, y) -> Call:
@@ -120,17 +140,17 @@ def build_pergrad_torch(workload, model, x, y) -> Call:
     model, x_t, y_t = torch_inputs(model, x, y)
     params = detached_params(model)
     fn = pergrad.per_example_grads(loss_of_one(workload, model))
-    return synced(lambda: fn(params, x_t, y_t))
+    return synced(lambda: fn(params, x_t, y_t), device_of(model))
 
 
 def build_torch_write(workload, model, x, y) -> Call:
     shapes = result_shapes(model, x)
-    device = torch_device()
+    device = device_of(model)
 
     def call() -> dict[str, torch.Tensor]:  # the default dtype: the model's, and its gradients'
         return {name: torch.full(shape, 1.0, device=device) for name, shape in shapes.items()}
 
-    return synced(call)
+    return synced(call, device_of(model))
 
 
 def build_pergrad_norms_torch(workload, model, x, y) -> Call:
@@ -139,14 +159,18 @@ def build_pergrad_norms_torch(workload, model, x, y) -> Call:
     model, x_t, y_t = torch_inputs(model, x, y)
     loss = pergrad.module_loss(model, lambda out, t: torch_loss(workload, out, t))
     params = loss.params()
-    return synced(lambda: pergrad.norms.per_example_norms_of(loss, params, x_t, y_t))
+
+    def call() -> torch.Tensor:
+        return pergrad.norms.per_example_norms_of(loss, params, x_t, y_t)
+
+    return synced(call, device_of(model))
 
 
 def build_torch_func(workload, model, x, y) -> Call:
     model, x_t, y_t = torch_inputs(model, x, y)
     params = detached_params(model)
     fn = torch.func.vmap(torch.func.grad(loss_of_one(workload, model)), in_dims=(None, 0, 0))
-    return synced(lambda: fn(params, x_t, y_t))
+    return synced(lambda: fn(params, x_t, y_t), device_of(model))
 
 
 def build_opacus_grad_sample(workload, model, x, y) -> Call:
@@ -161,7 +185,7 @@ def build_opacus_grad_sample(workload, model, x, y) -> Call:
         torch_loss(workload, gsm(x_t), y_t).backward()
         return {name: p.grad_sample for name, p in gsm._module.named_parameters()}
 
-    return synced(call)
+    return synced(call, device_of(model))
 
 
 def build_opacus_ghost_norms(workload, model, x, y) -> Call:
@@ -177,7 +201,7 @@ def build_opacus_ghost_norms(workload, model, x, y) -> Call:
         torch_loss(workload, gsm(x_t), y_t).backward()
         return gsm.get_norm_sample()
 
-    return synced(call)
+    return synced(call, device_of(model))
 
 
 def build_backpack(extension: str) -> Callable[..., Call]:
@@ -200,7 +224,7 @@ def build_backpack(extension: str) -> Callable[..., Call]:
                 return {name: p.grad_batch for name, p in named}
             return torch.stack([p.batch_l2 for _, p in named]).sum(0).sqrt()
 
-        return synced(call)
+        return synced(call, device_of(model))
 
     return build
 
@@ -210,9 +234,18 @@ def build_backpack(extension: str) -> Callable[..., Call]:
 
 
 def jax_setup(workload: Workload, model: nn.Module, x: np.ndarray, y: np.ndarray):
-    import jax.numpy as jnp
+    """Parameters and batch committed to the JAX device of the model's kind (jit follows
+    them), and the batch and single-example losses."""
+    import jax
 
-    params = {name: jnp.asarray(p.detach().cpu().numpy()) for name, p in model.named_parameters()}
+    device = jax_device(device_of(model))
+    if device is None:
+        raise RuntimeError(f"JAX has no {device_of(model).type} device: {jax.devices()}")
+
+    def put(value: np.ndarray) -> Any:
+        return jax.device_put(value, device)
+
+    params = {name: put(p.detach().cpu().numpy()) for name, p in model.named_parameters()}
 
     def batch_loss(params, x, y):
         return jax_batch_loss(workload, workload.jax_forward(params, x), y)
@@ -220,7 +253,7 @@ def jax_setup(workload: Workload, model: nn.Module, x: np.ndarray, y: np.ndarray
     def one_loss(params, x, y):
         return batch_loss(params, x[None], y[None])
 
-    return params, jnp.asarray(x), jnp.asarray(y), batch_loss, one_loss
+    return params, put(x), put(y), batch_loss, one_loss
 
 
 def blocking(fn: Callable[..., Any], *args: Any) -> Call:
@@ -264,12 +297,13 @@ def build_jax_write(workload, model, x, y) -> Call:
     import jax.numpy as jnp
 
     shapes = result_shapes(model, x)
+    value = jax.device_put(np.float32(1.0), jax_device(device_of(model)))  # where jit runs
 
     @jax.jit
     def fill(value: Any) -> dict[str, Any]:  # an argument: XLA cannot fold it into constants
         return {name: jnp.full(shape, value, jnp.float32) for name, shape in shapes.items()}
 
-    return blocking(fill, np.float32(1.0))
+    return blocking(fill, value)
 
 
 def build_jax_vmap(workload, model, x, y) -> Call:

@@ -17,5 +17,8 @@ def cpu_model() -> str:
 
 
 def load_average() -> str:
-    """The 1, 5 and 15 minute load averages, e.g. ``"0.52, 0.61, 0.70"``."""
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    """The 1, 5 and 15 minute load averages, e.g. ``"0.52, 0.61, 0.70"`` ("n/a" on Windows)."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return "n/a"

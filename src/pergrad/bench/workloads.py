@@ -1,7 +1,8 @@
 """The benchmark workloads: a torch module and a JAX function of the same parameters each.
 
 Every workload names its parameters as the torch module does (``"fc1.weight"``, ...) and the JAX
-forward pass reads the same arrays in the same layout, so gradients compare one to one.
+forward pass reads the same arrays in the same layout, so gradients compare one to one. JAX is
+imported inside the JAX functions only: the torch half runs without it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from benchmarks.core_overhead import MLP, SimpleCNN, jax_cnn_log_probs, jax_mlp_log_probs
 
 Params = dict[str, Any]
 
@@ -76,7 +75,38 @@ def tokens(vocab: int, seq_len: int, classes: int):
 
 
 # --------------------------------------------------------------------------------------------
-# Models not in core_overhead.py.
+# The torch models.
+
+
+class SimpleCNN(nn.Module):
+    """The model of the PyTorch per-sample-gradients tutorial (with its log_softmax applied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = torch.flatten(F.max_pool2d(x, 2), 1)
+        x = F.relu(self.fc1(x))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(784, 512)
+        self.fc2 = nn.Linear(512, 512)
+        self.fc3 = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
 
 
 class LinearRegression(nn.Module):
@@ -149,6 +179,45 @@ def jax_layer_norm(params: Params, name: str, x: Any, eps: float = 1e-5) -> Any:
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     normed = (x - mean) / jnp.sqrt(var + eps)
     return normed * params[f"{name}.weight"] + params[f"{name}.bias"]
+
+
+def jax_conv2d(params: Params, name: str, x: Any) -> Any:
+    import jax
+
+    out = jax.lax.conv_general_dilated(
+        x,
+        params[f"{name}.weight"],
+        window_strides=(1, 1),
+        padding="VALID",
+        dimension_numbers=("NCHW", "OIHW", "NCHW"),
+    )
+    return out + params[f"{name}.bias"][None, :, None, None]
+
+
+def jax_max_pool2d(x: Any, size: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    window = (1, 1, size, size)
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, "VALID")
+
+
+def jax_cnn_log_probs(params: Params, x: Any) -> Any:
+    import jax
+
+    x = jax.nn.relu(jax_conv2d(params, "conv1", x))
+    x = jax.nn.relu(jax_conv2d(params, "conv2", x))
+    x = jax_max_pool2d(x, 2).reshape(x.shape[0], -1)
+    x = jax.nn.relu(jax_linear(params, "fc1", x))
+    return jax.nn.log_softmax(jax_linear(params, "fc2", x))
+
+
+def jax_mlp_log_probs(params: Params, x: Any) -> Any:
+    import jax
+
+    x = jax.nn.relu(jax_linear(params, "fc1", x))
+    x = jax.nn.relu(jax_linear(params, "fc2", x))
+    return jax.nn.log_softmax(jax_linear(params, "fc3", x))
 
 
 def jax_linreg(params: Params, x: Any) -> Any:
@@ -236,9 +305,12 @@ def batch_sizes(workload: Workload, quick: bool) -> tuple[int, ...]:
     return (workload.quick_batch_size if quick else workload.batch_size,)
 
 
-def build(workload: Workload, batch_size: int) -> tuple[nn.Module, np.ndarray, np.ndarray]:
-    """The seeded model (eval mode) and data: every process builds the same ones."""
+def build(
+    workload: Workload, batch_size: int, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, np.ndarray, np.ndarray]:
+    """The seeded model (eval mode, on ``device``) and data (numpy, on the host): every process
+    builds the same ones, on any device. The methods move the data to the model's device."""
     torch.manual_seed(0)
-    model = workload.make_model().eval()
+    model = workload.make_model().eval().to(device)  # initialised on the CPU: same weights
     x, y = workload.make_data(np.random.default_rng(0), batch_size)
     return model, x, y

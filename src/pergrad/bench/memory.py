@@ -1,8 +1,8 @@
 """Peak memory of one call of one method, measured in a fresh process.
 
-``measure(workload, method, batch_size)`` runs ``python -m benchmarks.memory ...`` from the
-repository root; ``measure_sizes(workload, method, sizes)`` does the same for several batch
-sizes in one child (the sweep), one after the other. For each batch size the child builds the
+``measure(workload, method, batch_size, device)`` runs ``python -m pergrad.bench.memory ...``;
+``measure_sizes(workload, method, sizes, device)`` does the same for several batch sizes in one
+child (the sweep), one after the other. For each batch size the child builds the
 workload and the method, calls it once (JAX compiles then), then, on Linux, resets the
 process's peak resident set size (``/proc/self/clear_refs``) and calls it again: the figure is
 the peak RSS during that second call minus the RSS just before it, so it counts the call's
@@ -12,7 +12,8 @@ unseen. Where the peak cannot be reset, the figure is ``ru_maxrss`` after the fi
 the RSS before it (so it includes compilation, and in a sweep only what a batch size adds to the
 peak of the smaller ones); the JSON says which.
 
-On CUDA, torch methods report ``torch.cuda.max_memory_allocated`` over the second call instead.
+On CUDA, torch methods report ``torch.cuda.max_memory_allocated`` over the second call instead;
+JAX methods on a GPU are not measured (JAX has no peak of device memory that can be reset).
 """
 
 from __future__ import annotations
@@ -20,28 +21,24 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(workload: str, method: str, batch_size: int, timeout: float = 300) -> dict:
-    return measure_sizes(workload, method, (batch_size,), timeout)[batch_size]
+def measure(
+    workload: str, method: str, batch_size: int, device: str = "cpu", timeout: float = 300
+) -> dict:
+    return measure_sizes(workload, method, (batch_size,), device, timeout)[batch_size]
 
 
 def measure_sizes(
-    workload: str, method: str, sizes: tuple[int, ...], timeout: float = 600
+    workload: str, method: str, sizes: tuple[int, ...], device: str = "cpu", timeout: float = 600
 ) -> dict[int, dict]:
     """``{batch size: {"peak_mib": ..., "how": ...}}``, measured in one fresh process."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    command = [sys.executable, "-m", "benchmarks.memory", workload, method]
+    command = [sys.executable, "-m", "pergrad.bench.memory", workload, method, str(device)]
     command += [str(size) for size in sizes]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         failed = {"peak_mib": None, "how": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
         return dict.fromkeys(sizes, failed)
@@ -66,36 +63,39 @@ def _reset_peak() -> bool:
         return False
 
 
-def _child(workload_name: str, method_name: str, sizes: list[int]) -> dict[int, dict]:
+def _child(workload_name: str, method_name: str, device: str, sizes: list[int]) -> dict[int, dict]:
     import warnings
 
     warnings.simplefilter("ignore")
     by_size = {}
     for size in sizes:
         try:
-            by_size[size] = _measure_one(workload_name, method_name, size)
+            by_size[size] = _measure_one(workload_name, method_name, device, size)
         except Exception as e:  # unsupported at this size: the others still count
             by_size[size] = {"peak_mib": None, "how": f"failed: {type(e).__name__}: {e}"[:200]}
         gc.collect()
     return by_size
 
 
-def _measure_one(workload_name: str, method_name: str, batch_size: int) -> dict:
+def _measure_one(workload_name: str, method_name: str, device_name: str, batch_size: int) -> dict:
     import torch
 
-    from benchmarks.methods import METHODS_BY_NAME, torch_device
-    from benchmarks.workloads import WORKLOADS, build
+    from pergrad.bench.methods import METHODS_BY_NAME
+    from pergrad.bench.workloads import WORKLOADS, build
 
     method = METHODS_BY_NAME[method_name]
     workload = WORKLOADS[workload_name]
-    call = method.build(workload, *build(workload, batch_size))
-    if torch_device().type == "cuda" and method.framework == "torch":
+    device = torch.device(device_name)
+    if device.type == "cuda" and method.framework == "jax":
+        return {"peak_mib": None, "how": "not measured: JAX on a GPU"}
+    call = method.build(workload, *build(workload, batch_size, device))
+    if device.type == "cuda":
         call()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         result = call()
-        peak = torch.cuda.max_memory_allocated() - before
+        peak = torch.cuda.max_memory_allocated(device) - before
         del result
         return {"peak_mib": peak / 2**20, "how": "cuda max_memory_allocated, 2nd call"}
     if os.path.exists("/proc/self/clear_refs"):
@@ -107,6 +107,8 @@ def _measure_one(workload_name: str, method_name: str, batch_size: int) -> dict:
             peak = _status_kib("VmHWM") - before
             del result
             return {"peak_mib": peak / 1024, "how": "VmHWM - VmRSS over the 2nd call"}
+    import resource  # Unix only
+
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     call()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -114,4 +116,4 @@ def _measure_one(workload_name: str, method_name: str, batch_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3:]])))
+    print(json.dumps(_child(sys.argv[1], sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4:]])))

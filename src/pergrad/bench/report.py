@@ -10,21 +10,43 @@ import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from benchmarks.core_overhead import markdown_table
-from benchmarks.machine import cpu_model
+from pergrad.bench.machine import cpu_model
 
 PACKAGES = ("torch", "jax", "jaxlib", "numpy", "opacus", "backpack-for-pytorch", "pergrad")
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
 def gpu_name() -> str | None:
+    """The name of the machine's first GPU, or None."""
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def device_slug() -> str:
-    gpu = gpu_name()
-    return "cpu" if gpu is None else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+def device_slug(device="cpu") -> str:
+    """A folder name for the results of a run on ``device``: ``cpu``, or the GPU's name
+    (``nvidia-h100-80gb-hbm3``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def describe_device(device) -> str:
+    """``cpu`` or ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def package_version(name: str) -> str:
@@ -34,10 +56,11 @@ def package_version(name: str) -> str:
         return "missing"
 
 
-def machine_info() -> dict:
+def machine_info(device=None, jax_device: str | None = None) -> dict:
+    """The machine, the device the torch methods ran on (and JAX's), and package versions."""
     import torch
 
-    return {
+    info = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -46,6 +69,10 @@ def machine_info() -> dict:
         "versions": {name: package_version(name) for name in PACKAGES},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+    if device is not None:
+        info["device"] = describe_device(device)
+        info["jax_device"] = jax_device
+    return info
 
 
 def fmt(value, spec: str, suffix: str = "") -> str:
@@ -86,6 +113,8 @@ def header(results: dict) -> str:
             "",
             f"- machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
             f"GPU: {m['gpu'] or 'none'}",
+            f"- device: torch on {m.get('device', 'cpu')}; "
+            f"JAX on {m.get('jax_device') or 'none (JAX methods skipped)'}",
             f"- python {m['python']}; {versions}",
             f"- date: {m['date']}; load average (1, 5, 15 min): {run['load_average_start']} at "
             f"the start, {run['load_average_end']} at the end",
@@ -107,7 +136,8 @@ NOTES = """\
   methods against the loop's per-example norms; for the floors against the loop's mean.
 - peak MiB: peak resident memory increase during one call (after a warm-up call, in a fresh
   process, one per method for all the batch sizes of the sweep; it includes the B x P result);
-  see `benchmarks/memory.py`. `-`: not measured.
+  on CUDA, torch methods report `torch.cuda.max_memory_allocated` instead and JAX methods are
+  not measured; see `pergrad/bench/memory.py`. `-`: not measured.
 - unsupported: the method raised on this model (reason in results.json)."""
 
 
@@ -133,7 +163,7 @@ def write(results: dict, out: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        print("note: matplotlib missing: no plots")
+        print("note: matplotlib is not installed: no plots (pip install matplotlib)")
         return
     matplotlib.use("Agg")
     plot_sweep(results["rows"], out / "time_vs_batch_size.png")

@@ -1,0 +1,5 @@
+"""``python -m pergrad.bench``: see ``pergrad.bench``."""
+
+from pergrad.bench import main
+
+main()
