@@ -181,3 +181,37 @@ def test_bad_arguments_are_named(framework):
         influence.trak(margin, models, (x, y), (xt, yt), weight_fn="1-p")
     with pytest.raises(ValueError, match="weight_fn must return a scalar"):
         influence.trak(margin, models, (x, y), (xt, yt), weight_fn=lambda p, xi, yi: p["w2"].sum(0))
+
+
+def test_factored_projection_features_feed_the_same_formula():
+    """projection="factored": the features are project_factored's (tested against materialised
+    gradients in test_kronecker.py); the kernel and weighting are the formula's."""
+    pytest.importorskip("jax")
+    margin, weight, _, models, (x, y, xt, yt), to_numpy = PROBLEMS["jax"]()
+    scores = influence.trak(
+        margin,
+        models,
+        (x, y),
+        (xt, yt),
+        weight_fn=weight,
+        proj_dim=3,
+        damping=0.1,
+        projection="factored",
+        factored_dims=(2, 2),
+        chunk_size=4,
+    )
+    total, q_total = 0.0, 0.0
+    for m, params in enumerate(models):
+        options = {"k_in": 2, "k_out": 2, "other_dim": 3, "seed": m}
+        phi = to_numpy(influence.project_factored(margin, params, (x, y), **options))
+        phi_t = to_numpy(influence.project_factored(margin, params, (xt, yt), **options))
+        phi, phi_t = phi.astype(np.float64), phi_t.astype(np.float64)
+        assert phi.shape == (N_TRAIN, 2 * 4)  # w1 and w2 blocks of 2 x 2; no other leaves
+        total = total + phi @ np.linalg.solve(phi.T @ phi + 0.1 * np.eye(8), phi_t.T)
+        q_total = q_total + np.array([float(weight(params, x[i], y[i])) for i in range(N_TRAIN)])
+    expected = total / len(models) * (q_total / len(models))[:, None]
+    np.testing.assert_allclose(
+        to_numpy(scores), expected, rtol=2e-4, atol=1e-5 * np.abs(expected).max()
+    )
+    with pytest.raises(ValueError, match="projection must be 'dense' or 'factored'"):
+        influence.trak(margin, models, (x, y), (xt, yt), projection="kronecker")

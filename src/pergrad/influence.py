@@ -24,6 +24,7 @@ To measure how good a method's scores are, retrain on random half-size subsets
 """
 
 from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.projection import project
 from pergrad._src.influence.scores import (
@@ -58,6 +59,7 @@ __all__ = [
     "lds_subsets",
     "merge_top_k",
     "project",
+    "project_factored",
     "self_influence",
     "top_k",
     "top_k_from_scores",

@@ -121,7 +121,7 @@ def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, Any]:
+def tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, Any]:
     """Every call's inputs ``(B, N, width_in)`` and output gradients ``(B, N, width_out)``, the
     positions of all calls side by side (a layer called twice is one layer seeing more tokens)."""
     batch = calls[0].output_grad.shape[0]
@@ -131,7 +131,7 @@ def _tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any,
 
 
 def linear_per_example(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    activations, output_grads = _tokens(calls, layer.in_features, layer.out_features)
+    activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
     result = {"weight": torch.einsum("bnq,bnp->bqp", output_grads, activations)}
     if layer.bias is not None:
         result["bias"] = output_grads.sum(1)
@@ -143,7 +143,7 @@ def _weighted_tokens(
 ) -> tuple[Any, Any]:
     """All positions of all examples as rows: inputs ``(B N, width_in)`` and output gradients
     scaled by their example's weight ``(B N, width_out)``."""
-    activations, output_grads = _tokens(calls, width_in, width_out)
+    activations, output_grads = tokens(calls, width_in, width_out)
     scaled = output_grads * weights.to(output_grads.dtype)[:, None, None]
     return activations.reshape(-1, width_in), scaled.reshape(-1, width_out)
 
@@ -162,7 +162,7 @@ def linear_weighted_sum(
     nn.Linear, name="linear", per_example=linear_per_example, weighted_sum=linear_weighted_sum
 )
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    activations, output_grads = _tokens(calls, layer.in_features, layer.out_features)
+    activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
     if layer.bias is not None:
         result["bias"] = _squared(output_grads.sum(1))
@@ -172,7 +172,7 @@ def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, 
 def hf_conv1d_per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Hugging Face's ``Conv1D`` is a linear layer with the weight stored ``(in, out)``."""
     width_in, width_out = layer.weight.shape
-    activations, output_grads = _tokens(calls, width_in, width_out)
+    activations, output_grads = tokens(calls, width_in, width_out)
     result = {"weight": torch.einsum("bnp,bnq->bpq", activations, output_grads)}
     if layer.bias is not None:
         result["bias"] = output_grads.sum(1)
@@ -198,7 +198,7 @@ def hf_conv1d_weighted_sum(
 )
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
-    activations, output_grads = _tokens(calls, width_in, width_out)
+    activations, output_grads = tokens(calls, width_in, width_out)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
     if layer.bias is not None:
         result["bias"] = _squared(output_grads.sum(1))

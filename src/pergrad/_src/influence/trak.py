@@ -25,6 +25,7 @@ import numpy as np
 
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
+from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.projection import KINDS, matrix_rows
 from pergrad._src.influence.scores import FlatLoss, check_batch, check_fn, slice_batch
 
@@ -47,6 +48,8 @@ def trak(
     damping: float = 0.0,
     seed: int = 0,
     kind: str = "rademacher",
+    projection: str = "dense",
+    factored_dims: tuple[int, int] = (16, 16),
     chunk_size: int | None = None,
 ) -> Any:
     """TRAK attribution scores of each training example for each target.
@@ -70,6 +73,11 @@ def trak(
       seed: model ``m`` projects with seed ``seed + m`` (:func:`project`'s matrix, the same on
         both frameworks).
       kind: ``"rademacher"`` (default, as ``traker``) or ``"gaussian"`` entries.
+      projection: ``"dense"`` (default: the per-example gradient formed, then projected to
+        ``proj_dim``) or ``"factored"`` (:func:`project_factored`: each dense layer's
+        ``k_in x k_out`` block from its input and output gradient, never forming its gradient,
+        ``factored_dims = (k_in, k_out)``; the other parameters projected to ``proj_dim``
+        together). In PyTorch ``"factored"`` needs ``fn`` made by :func:`pergrad.module_loss`.
       chunk_size: per-example gradients of this many examples at a time (default: as many as
         keep ``chunk_size x P`` under 2**25 numbers).
 
@@ -104,6 +112,10 @@ def trak(
         raise PergradValueError(f"{name}: damping must be a number or a non-empty list of them.")
     for value in grid:
         _check_options(name, proj_dim, value, seed, kind)
+    if projection not in ("dense", "factored"):
+        raise PergradValueError(
+            f"{name}: projection must be 'dense' or 'factored'; got {projection!r}."
+        )
     if weight_fn is not None:
         check_fn(name, weight_fn, "weight_fn")
     total_scores, total_weights = None, None
@@ -114,9 +126,16 @@ def trak(
         bk = output.backend
         train, n_train = check_batch(name, "train_batch", bk, train_batch)
         targets, n_targets = check_batch(name, "target_batch", bk, target_batch)
-        matrix = _Projection(bk, output.flat.size, proj_dim, seed + index, kind)
-        phi = _features(output, train, n_train, matrix)
-        phi_target = _features(target, targets, n_targets, matrix)
+        if projection == "factored":
+            options = (factored_dims, proj_dim, seed + index, chunk_size or 256)
+            phi = _factored_features(bk, fn, params, train, n_train, options)
+            phi_target = _factored_features(
+                bk, target_fn or fn, params, targets, n_targets, options
+            )
+        else:
+            matrix = _Projection(bk, output.flat.size, proj_dim, seed + index, kind)
+            phi = _features(output, train, n_train, matrix)
+            phi_target = _features(target, targets, n_targets, matrix)
         scores = _kernel_scores(bk, phi, phi_target, grid)
         weights = _weights(output, weight_fn, train, n_train) if weight_fn is not None else None
         total_scores = scores if total_scores is None else total_scores + scores
@@ -158,6 +177,26 @@ def _features(output: FlatLoss, batch: tuple, count: int, projection: _Projectio
     bk = output.backend
     pieces = [
         projection(output.grads(slice_batch(bk, batch, start, min(start + step, count))))
+        for start in range(0, count, step)
+    ]
+    return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
+
+
+def _factored_features(
+    bk: Any, fn: Any, params: Any, batch: tuple, count: int, options: tuple
+) -> Any:
+    """``(count, D)`` :func:`project_factored` features, ``step`` examples at a time."""
+    (k_in, k_out), other_dim, seed, step = options
+    pieces = [
+        project_factored(
+            fn,
+            params,
+            slice_batch(bk, batch, start, min(start + step, count)),
+            k_in=k_in,
+            k_out=k_out,
+            other_dim=other_dim,
+            seed=seed,
+        )
         for start in range(0, count, step)
     ]
     return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)

@@ -1,0 +1,201 @@
+"""Factored random projections of per-example gradients (LoGra, Choe et al. 2024), never forming
+a layer's per-example gradient.
+
+A dense layer applied at ``T`` positions has the per-example weight gradient
+``G = sum_t a_t d_t^T`` (input ``a_t``, output gradient ``d_t``). Projected by the Kronecker
+product of two small random matrices, ``P_in^T G P_out = (A P_in)^T (D P_out)``: the
+``k_in x k_out`` feature comes from projecting the layer's input and output gradient
+separately, at ``B T (p k_in + q k_out)`` cost, where materialising ``G`` would cost ``B p q``
+memory. It is a plug-in reduction of the capture engines (``capture/rules.py`` for PyTorch's
+``nn.Linear`` and Hugging Face's ``Conv1D``, ``capture/jax_rules.py`` for JAX dense
+contractions): one batched pass gives every layer's features. Every other parameter's
+per-example gradient (biases, norms, embeddings, convolutions) is projected densely, with
+:func:`pergrad.influence.project`'s seeded matrix.
+
+``P_in`` and ``P_out`` of the ``i``-th projected layer (in the order the engine meets them) are
+Gaussian with entries ``N(0, 1/k)``, drawn from ``numpy.random.default_rng([seed, i, side])``:
+so ``E[<P g, P h>] = <g, h>``, and a call on training data and one on targets, with the same
+``seed``, land in the same space.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pergrad._src.core.reductions import layer_reductions_of
+from pergrad._src.errors import PergradValueError
+from pergrad._src.influence.ihvp import as_backend_array
+from pergrad._src.influence.projection import matrix_rows
+
+PLUG_IN = "pergrad.kronecker_projection"
+
+
+class LayerMatrices:
+    """``(P_in, P_out)`` per layer key, numpy float64, drawn in the order of first request."""
+
+    def __init__(self, seed: int, k_in: int, k_out: int) -> None:
+        self.seed, self.k_in, self.k_out = seed, k_in, k_out
+        self.drawn: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, key: Any, width_in: int, width_out: int) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self.drawn:
+            self.drawn[key] = kronecker_matrices(
+                self.seed, len(self.drawn), width_in, width_out, self.k_in, self.k_out
+            )
+        return self.drawn[key]
+
+
+def kronecker_matrices(
+    seed: int, index: int, width_in: int, width_out: int, k_in: int, k_out: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``index``-th layer's ``(P_in (width_in, k_in), P_out (width_out, k_out))``."""
+    p_in = np.random.default_rng([seed, index, 0]).standard_normal((width_in, k_in))
+    p_out = np.random.default_rng([seed, index, 1]).standard_normal((width_out, k_out))
+    return p_in / math.sqrt(k_in), p_out / math.sqrt(k_out)
+
+
+def project_factored(
+    fn: Callable[..., Any],
+    params: Any,
+    batch: Sequence[Any],
+    *,
+    k_in: int = 16,
+    k_out: int = 16,
+    other_dim: int = 256,
+    seed: int = 0,
+) -> Any:
+    """Each example's gradient, projected layer by layer without forming it.
+
+    Args:
+      fn: the loss (or output) of ONE example, ``fn(params, *example) -> scalar``; in PyTorch a
+        :func:`pergrad.module_loss` (then its ``nn.Linear`` layers are projected from their
+        records; any other torch function gets every gradient projected densely, with a
+        :class:`pergrad.FallbackWarning`); in JAX any traceable loss.
+      params: the parameters (``loss.params()`` in PyTorch).
+      batch: tuple of ``fn``'s batched arguments.
+      k_in, k_out: each dense layer's feature is ``k_in x k_out``.
+      other_dim: the dimension the remaining parameters' gradients are projected to, together.
+      seed: the projections' seed; the same for every call whose features are compared.
+
+    Returns:
+      ``(n, D)`` features, an array of the parameters' framework: the dense layers' ``k_in *
+      k_out`` blocks in the order of the parameters, then ``other_dim`` columns (if any
+      parameter is not a dense layer's weight). Dot products estimate those of the full
+      per-example gradients.
+
+    Cost: one forward and backward pass over the batch with the layers' records, ``B T (p k_in
+    + q k_out)`` per dense layer, and per-example gradients of the other parameters.
+    """
+    for name, value in (("k_in", k_in), ("k_out", k_out), ("other_dim", other_dim)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise PergradValueError(
+                f"project_factored: {name} must be a positive int; got {value!r}."
+            )
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+        raise PergradValueError(f"project_factored: seed must be a non-negative int; got {seed!r}.")
+    if not isinstance(batch, (tuple, list)):
+        raise PergradValueError(
+            f"project_factored: batch must be a tuple of fn's batched arguments, e.g. (X, Y); "
+            f"got {type(batch).__name__}."
+        )
+    _register_plug_ins()
+    matrices = LayerMatrices(seed, k_in, k_out)
+    results = layer_reductions_of(fn, params, *batch, reduction=PLUG_IN, reduction_args=(matrices,))
+    count = _leading(results[0].value)
+    blocks = [r.value.reshape(count, -1) for r in results if r.reduced]
+    others = [r.value.reshape(count, -1) for r in results if not r.reduced]
+    if others:
+        flat = others[0] if len(others) == 1 else _concatenate(others)
+        width = flat.shape[1]
+        rows = matrix_rows(seed + 1_000_003, other_dim, "gaussian", 0, width)
+        blocks.append(flat @ _as_array(rows, flat))
+    return blocks[0] if len(blocks) == 1 else _concatenate(blocks)
+
+
+def _leading(x: Any) -> int:
+    return int(x.shape[0])
+
+
+def _concatenate(pieces: list[Any]) -> Any:
+    first = pieces[0]
+    if type(first).__module__.startswith("torch"):
+        import torch
+
+        return torch.cat(pieces, dim=1)
+    import jax.numpy as jnp
+
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _as_array(values: np.ndarray, like: Any) -> Any:
+    from pergrad._src.backends import backend_of
+
+    return as_backend_array(backend_of(like, "project_factored", "grads"), values, like)
+
+
+_REGISTERED: set[str] = set()
+
+
+def _register_plug_ins() -> None:
+    """Teach the capture engines the projection, once per framework that is imported."""
+    import sys
+
+    if "torch" in sys.modules and "torch" not in _REGISTERED:
+        _register_torch()
+        _REGISTERED.add("torch")
+    if "jax" in sys.modules and "jax" not in _REGISTERED:
+        _register_jax()
+        _REGISTERED.add("jax")
+
+
+def _register_torch() -> None:
+    from pergrad._src.capture import torch_layers
+    from pergrad._src.capture.rules import register_reduction
+
+    def project(
+        layer: Any, calls: list[Any], matrices: LayerMatrices, width_in: int, width_out: int
+    ) -> Any:
+        a, d = torch_layers.tokens(calls, width_in, width_out)
+        p_in, p_out = matrices(id(layer), width_in, width_out)
+        left = a @ _as_array(p_in, a)
+        right = d @ _as_array(p_out, d)
+        return left.transpose(1, 2) @ right  # (B, k_in, k_out)
+
+    @register_reduction(PLUG_IN, "linear")
+    def linear(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
+        return {"weight": project(layer, calls, matrices, layer.in_features, layer.out_features)}
+
+    @register_reduction(PLUG_IN, "hf_conv1d")
+    def hf_conv1d(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
+        width_in, width_out = layer.weight.shape  # Conv1D's weight is (in, out)
+        return {"weight": project(layer, calls, matrices, width_in, width_out)}
+
+
+def _register_jax() -> None:
+    import jax.numpy as jnp
+
+    from pergrad._src.capture.jax_contractions import dense_factors
+    from pergrad._src.capture.jax_rules import register_reduction, rule_for_kind
+
+    @register_reduction(PLUG_IN, "dense")
+    def dense(site: Any, param: Any, inputs: Any, cotangents: Any, matrices: LayerMatrices) -> Any:
+        """``P_in^T G P_out`` of a weight ``(K, F...)``; from the factors where the weight enters
+        untransposed as the right operand, else from the formed per-example gradient."""
+        shape = param.shape
+        width_in, width_out = shape[0], math.prod(shape[1:])
+        p_in, p_out = (
+            jnp.asarray(m, dtype=inputs.dtype) for m in matrices(site.path, width_in, width_out)
+        )
+        (_, rhs_contract), _ = site.eqn.params["dimension_numbers"]
+        factors = dense_factors(site, inputs, cotangents)
+        simple = site.param_operand == 1 and tuple(rhs_contract) == (0,) and not site.chain
+        if factors is not None and simple and len(shape) == 2:  # x @ W, W (K, F): G = A^T D
+            a, d = factors
+            return jnp.einsum("btk,btl->bkl", a @ p_in, d @ p_out)
+        grads = rule_for_kind("dense").per_example(site, param, inputs, cotangents)
+        flat = grads.reshape(grads.shape[0], width_in, width_out)
+        return jnp.einsum("ik,bio,ol->bkl", p_in, flat, p_out)
