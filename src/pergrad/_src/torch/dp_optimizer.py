@@ -73,7 +73,8 @@ class DPOptimizer:
     norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory;
     otherwise per-example gradients ``chunk_size`` examples at a time, which, under ``"auto"``,
     the first step that takes them says once with a :class:`pergrad.FallbackWarning` naming the
-    layers and why. Distributed: one all-reduce of ``P + 2`` numbers per step, and at
+    layers and why. Gradient accumulation: :meth:`accumulate` each micro-batch, then
+    :meth:`step` (noise once per logical step). Distributed: one all-reduce of ``P + 2`` numbers per step, and at
     construction two all-gathers and one pass over the parameters' bytes.
 
     Args:
@@ -142,6 +143,8 @@ class DPOptimizer:
         self.strategy = strategy
         self.chunk_size = chunk_size
         self._warned_off_ghost = False
+        self._pending: ClippedSum | None = None  # accumulated micro-batches of this step
+        self._pending_strategy = "materialize"
         self.process_group = process_group_of("DPOptimizer", distributed)
         if self.process_group is not None:
             check_same_across_ranks(
@@ -164,19 +167,55 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def accumulate(self, *batch: Any) -> DPStep:
+        """Clip one micro-batch and add it to the current logical step; no noise, no update.
+
+        Gradient accumulation: call ``accumulate`` on every micro-batch of a logical batch but
+        the last, then :meth:`step` on the last (or ``step()`` with no arguments). Each example
+        is clipped on its own, the noise is drawn once per logical step, the update divides
+        by ``expected_batch_size`` (the logical batch's), and the accountant counts one step:
+        the same as one :meth:`step` on the micro-batches put together, with the memory of one
+        micro-batch.
+
+        Returns:
+          The micro-batch's :class:`DPStep` (its clip fraction and size).
+        """
+        if not batch:
+            raise PergradTypeError(
+                "DPOptimizer.accumulate: pass one micro-batch, the model inputs then the loss "
+                "function's targets, as for step()."
+            )
+        clipped, strategy = self._clipped(batch)
+        pending = self._pending
+        if pending is None:
+            self._pending = clipped
+        else:
+            self._pending = ClippedSum(
+                sum={name: pending.sum[name] + value for name, value in clipped.sum.items()},
+                norms=None,
+                clip_fraction=(
+                    pending.clip_fraction * pending.count + clipped.clip_fraction * clipped.count
+                )
+                / max(float(pending.count + clipped.count), 1.0),
+                sensitivity=clipped.sensitivity,
+                count=pending.count + clipped.count,
+            )
+        self._pending_strategy = strategy
+        return DPStep(float(clipped.clip_fraction), int(clipped.count), strategy)
+
     def step(self, *batch: Any) -> DPStep:
-        """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets)."""
-        params = self._loss.params()
-        choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
-        self._warn_off_ghost(choice)
-        clipped = clipped_sum_of(
-            self._loss,
-            params,
-            *batch,
-            max_norm=self.max_norm,
-            strategy=self.strategy,
-            chunk_size=self.chunk_size,
-        )
+        """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets);
+        after :meth:`accumulate`, on the accumulated micro-batches and this one (or on those
+        alone, with no arguments)."""
+        if batch:
+            self.accumulate(*batch)
+        elif self._pending is None:
+            raise PergradTypeError(
+                "DPOptimizer.step: pass a batch (the model inputs, then the loss function's "
+                "targets), or accumulate() micro-batches first and then call step()."
+            )
+        clipped, strategy = self._pending, self._pending_strategy
+        self._pending = None
         totals = self._noisy_totals(clipped)
         denominator = self.expected_batch_size or max(totals.count, 1.0)
         for name, param in self.model.named_parameters():
@@ -188,8 +227,22 @@ class DPOptimizer:
         return DPStep(
             clip_fraction=totals.clip_fraction,
             batch_size=int(totals.count),
-            strategy=choice.strategy,
+            strategy=strategy,
         )
+
+    def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str]:
+        params = self._loss.params()
+        choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
+        self._warn_off_ghost(choice)
+        clipped = clipped_sum_of(
+            self._loss,
+            params,
+            *batch,
+            max_norm=self.max_norm,
+            strategy=self.strategy,
+            chunk_size=self.chunk_size,
+        )
+        return clipped, choice.strategy
 
     def _warn_off_ghost(self, choice: Any) -> None:
         """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
