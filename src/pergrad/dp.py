@@ -33,6 +33,7 @@ from pergrad._src.core.reductions import clipped_sum_of, private_grad_of
 from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
+from pergrad._src.dp.secure import SecureRandom
 
 _LAZY = {
     "optax_aggregate": "pergrad._src.jax.optax",
@@ -59,6 +60,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "SecureRandom",
     "Accountant",
     "ClippedSum",
     "epsilon",

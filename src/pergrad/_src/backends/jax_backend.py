@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pergrad._src.dp.secure import is_secure
+
 
 class JaxBackend:
     name = "jax"
@@ -133,9 +135,21 @@ class JaxBackend:
         return jnp.asarray(x)
 
     def standard_normal(self, rng: Any, like: Any) -> Any:
-        return jax.random.normal(rng, jnp.shape(like), jnp.result_type(like))
+        shape, dtype = jnp.shape(like), jnp.result_type(like)
+        if is_secure(rng):
+            # An ordered io_callback runs on the host at every execution, also under jax.jit
+            # (a numpy draw at trace time would be one constant reused by every step).
+            from jax.experimental import io_callback
+
+            def draw() -> Any:
+                return rng.normal(shape).astype(dtype)
+
+            return io_callback(draw, jax.ShapeDtypeStruct(shape, dtype), ordered=True)
+        return jax.random.normal(rng, shape, dtype)
 
     def split_key(self, rng: Any, num: int) -> Any:
+        if is_secure(rng):
+            return [rng] * num
         return list(jax.random.split(rng, num))
 
     def scalar_loss_problem(self, loss: Any) -> str | None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from pergrad._src.dp.secure import is_secure
 from pergrad._src.errors import PergradValueError
 
 
@@ -176,6 +177,9 @@ class TorchBackend:
         return torch.as_tensor(x, device=like.device if isinstance(like, torch.Tensor) else None)
 
     def standard_normal(self, rng: Any, like: Any) -> Any:
+        if is_secure(rng):  # the OS's cryptographic source, on the host
+            draw = torch.from_numpy(rng.normal(tuple(like.shape)))
+            return draw.to(device=like.device, dtype=like.dtype)
         # torch.randn refuses a generator of another device (a CPU generator for CUDA noise):
         # draw on the generator's device, then move the draw to like's.
         device = like.device if rng is None else rng.device
@@ -183,7 +187,7 @@ class TorchBackend:
         return draw.to(like.device)
 
     def split_key(self, rng: Any, num: int) -> Any:
-        return [rng] * num  # a torch.Generator advances by itself
+        return [rng] * num  # a torch.Generator (or a SecureRandom) advances by itself
 
     def scalar_loss_problem(self, loss: Any) -> str | None:
         if not isinstance(loss, torch.Tensor):

@@ -161,7 +161,9 @@ def add_noise(summed: Any, std: float, rng: Any) -> Any:
       std: the noise standard deviation, ``noise_multiplier * sensitivity`` for DP-SGD.
       rng: a JAX PRNG key, or a ``torch.Generator`` (None: torch's global generator). For real
         privacy, seed it from a secure source: ``torch.Generator().manual_seed(
-        secrets.randbits(63))`` / ``jax.random.key(secrets.randbits(63))``.
+        secrets.randbits(63))`` / ``jax.random.key(secrets.randbits(63))``; or pass
+        :class:`pergrad.dp.SecureRandom` (both frameworks) to draw every value from the
+        operating system's cryptographic source.
     """
     if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
         raise PergradValueError(f"add_noise: std must be a number >= 0; got {std!r}.")

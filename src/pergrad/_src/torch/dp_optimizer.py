@@ -12,6 +12,7 @@ from torch import nn
 
 from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
+from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import FallbackWarning, PergradTypeError
 from pergrad._src.torch.distributed import (
     StepTotals,
@@ -86,7 +87,8 @@ class DPOptimizer:
       expected_batch_size: divide the noisy sum by this (global) number; None divides by the
         actual number of examples (over all processes when distributed).
       generator: the ``torch.Generator`` of the noise (None: torch's global generator); seed
-        it securely for real privacy. Distributed: rank 0's is used.
+        it securely for real privacy, or pass :class:`pergrad.dp.SecureRandom` to draw the
+        noise from the operating system's cryptographic source. Distributed: rank 0's is used.
       num_inputs: how many batch arguments go to the model (the rest go to ``loss_fn``).
       chunk_size, strategy: how the clipped sum is computed (see :func:`clipped_sum_of`).
       accountant: an :class:`Accountant` whose ``step()`` is called once per step.
@@ -103,7 +105,7 @@ class DPOptimizer:
         max_norm: float,
         noise_multiplier: float,
         expected_batch_size: float | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | SecureRandom | None = None,
         num_inputs: int = 1,
         chunk_size: int | None = None,
         strategy: str = "auto",
@@ -127,9 +129,10 @@ class DPOptimizer:
                 "release and pergrad does not use; DPOptimizer(distributed=True) all-reduces "
                 "the clipped sums itself and adds the noise once."
             )
-        if generator is not None and not isinstance(generator, torch.Generator):
+        if generator is not None and not isinstance(generator, (torch.Generator, SecureRandom)):
             raise PergradTypeError(
-                f"DPOptimizer: generator must be a torch.Generator or None; got "
+                f"DPOptimizer: generator must be a torch.Generator, a pergrad.dp.SecureRandom "
+                f"or None; got "
                 f"{type(generator).__name__}."
             )
         self.optimizer = optimizer
