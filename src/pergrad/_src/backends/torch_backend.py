@@ -178,8 +178,8 @@ class TorchBackend:
 
     def standard_normal(self, rng: Any, like: Any) -> Any:
         if is_secure(rng):  # the OS's cryptographic source, on the host
-            draw = torch.from_numpy(rng.normal(tuple(like.shape)))
-            return draw.to(device=like.device, dtype=like.dtype)
+            values = rng.normal(tuple(like.shape))
+            return torch.from_numpy(values).to(device=like.device, dtype=like.dtype)
         # torch.randn refuses a generator of another device (a CPU generator for CUDA noise):
         # draw on the generator's device, then move the draw to like's.
         device = like.device if rng is None else rng.device
