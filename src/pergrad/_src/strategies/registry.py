@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pergrad._src.errors import FallbackWarning, GhostUnsupported, PergradValueError
+from pergrad._src.errors import GhostUnsupported, PergradValueError, warn_from_caller
 from pergrad._src.strategies import chunked, loop, materialize, vmap
 from pergrad._src.strategies.protocol import (
     Assessment,
@@ -141,7 +140,7 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
         except Unsupported as err:
             failures.append(candidate.failure.format(why=err))
             continue
-        _warn_from_caller(
+        warn_from_caller(
             f"{request.spec.func_name}: {'; '.join(failures)}. Took strategy {name!r} "
             f"instead: {candidate.fallback_note}"
         )
@@ -165,14 +164,6 @@ def _start(task: str, request: Any) -> list[str]:
     order = list(ORDER[task])
     resolved = request.spec.resolved if task == "grads" else None
     return order[order.index(resolved) :] if resolved in order else order
-
-
-def _warn_from_caller(message: str) -> None:
-    """A FallbackWarning attributed to the first frame outside pergrad (the user's call)."""
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of this function
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("pergrad."):
-        level, frame = level + 1, frame.f_back
-    warnings.warn(message, FallbackWarning, stacklevel=level)
 
 
 def _is_module_loss(fn: Any) -> bool:
@@ -271,7 +262,7 @@ def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> 
         why = verdict.why
     except GhostUnsupported as err:
         why = str(err)
-    _warn_from_caller(
+    warn_from_caller(
         f"{request.spec.func_name}: the capture engine cannot take this call ({why}); every "
         f"leaf comes back as per-example gradients, for the caller to reduce."
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ from torch import nn
 from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
 from pergrad._src.dp.secure import SecureRandom
-from pergrad._src.errors import FallbackWarning, PergradTypeError
+from pergrad._src.errors import PergradTypeError, warn_from_caller
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -253,12 +252,10 @@ class DPOptimizer:
         if self._warned_off_ghost or self.strategy != "auto" or choice.strategy != "chunked":
             return
         self._warned_off_ghost = True
-        warnings.warn(
+        warn_from_caller(
             f"DPOptimizer: the ghost strategy cannot take every parameter of this model "
             f"({choice.reason}), so its steps take the chunked strategy: per-example gradients "
-            f"chunk by chunk, the same step with more time and memory. Said once per optimizer.",
-            FallbackWarning,
-            stacklevel=3,
+            f"chunk by chunk, the same step with more time and memory. Said once per optimizer."
         )
 
     def _noisy_totals(self, clipped: ClippedSum) -> StepTotals:
