@@ -49,7 +49,8 @@ def per_example_norms_of(
         :func:`pergrad.per_example_grads`); in PyTorch, a :func:`pergrad.module_loss` loss for
         the ghost strategy; in JAX, any traceable loss.
       *args: the arguments of ``fn``, with the data batched: ``(params, X, Y)``.
-      argnums, in_axes: as for :func:`pergrad.per_example_grads`.
+      argnums: as for :func:`pergrad.per_example_grads`.
+      in_axes: as for :func:`pergrad.per_example_grads`.
       per_layer: False for one norm per example; True for one per parameter array, in the
         structure of the differentiated argument (their squares sum to the global norm squared).
       strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
@@ -108,7 +109,12 @@ def clipped_sum_of(
     of ``sum_i c_i loss_i``, one more batch backward pass (Lee & Kifer 2021).
 
     Args:
-      fn, *args, argnums, in_axes, strategy, chunk_size: as for :func:`per_example_norms_of`.
+      fn: as for :func:`per_example_norms_of`.
+      *args: as for :func:`per_example_norms_of`.
+      argnums: as for :func:`per_example_norms_of`.
+      in_axes: as for :func:`per_example_norms_of`.
+      strategy: as for :func:`per_example_norms_of`.
+      chunk_size: as for :func:`per_example_norms_of`.
       max_norm: the clipping bound, a positive number; or, for per-layer clipping, a pytree
         prefix of the differentiated argument with one bound per group, as
         :func:`pergrad.dp.clipped_sum` takes (``{"encoder": 1.0, "head": 0.5}``): each group's
@@ -209,10 +215,19 @@ def private_grad_of(
     the ghost path. Works under ``jax.jit``.
 
     Args:
-      fn, *args, argnums, in_axes, strategy, chunk_size, mask: as for :func:`clipped_sum_of`.
+      fn: as for :func:`clipped_sum_of`.
+      *args: as for :func:`clipped_sum_of`.
       max_norm: the clipping bound, a positive number.
-      noise_multiplier, rng, expected_batch_size: as for :func:`pergrad.dp.private_mean` (a JAX
-        key or a ``torch.Generator``; divide by the expected batch size under Poisson sampling).
+      noise_multiplier: as for :func:`pergrad.dp.private_mean`.
+      rng: as for :func:`pergrad.dp.private_mean` (a JAX key, a ``torch.Generator`` or a
+        :class:`pergrad.dp.SecureRandom`).
+      expected_batch_size: as for :func:`pergrad.dp.private_mean` (divide by the expected batch
+        size under Poisson sampling).
+      argnums: as for :func:`clipped_sum_of`.
+      in_axes: as for :func:`clipped_sum_of`.
+      strategy: as for :func:`clipped_sum_of`.
+      chunk_size: as for :func:`clipped_sum_of`.
+      mask: as for :func:`clipped_sum_of`.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient, shaped like the

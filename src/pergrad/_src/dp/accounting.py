@@ -297,8 +297,13 @@ def noise_multiplier_for(
 
     Args:
       target_epsilon: the epsilon to reach, ``> 0``.
-      delta, sample_rate, steps, accountant, sampling, num_examples: as for :func:`epsilon`.
-        With ``steps == 0`` nothing is released and the answer is ``0.0``.
+      delta: as for :func:`epsilon`.
+      sample_rate: as for :func:`epsilon`.
+      steps: as for :func:`epsilon`. With ``steps == 0`` nothing is released and the answer is
+        ``0.0``.
+      accountant: as for :func:`epsilon`.
+      sampling: as for :func:`epsilon`.
+      num_examples: as for :func:`epsilon`.
       tolerance: absolute tolerance on the returned noise multiplier, ``> 0``.
 
     Returns:
@@ -391,10 +396,14 @@ class Accountant:
     every step.
 
     Args:
-      noise_multiplier, sample_rate, delta, accountant, sampling, num_examples: as for
-        :func:`epsilon` (``sampling="fixed"``, fixed-size batches drawn without replacement,
-        is analysed for replace-one neighbours and needs ``accountant="rdp"`` and
+      noise_multiplier: as for :func:`epsilon`.
+      sample_rate: as for :func:`epsilon`.
+      delta: as for :func:`epsilon`.
+      accountant: as for :func:`epsilon`.
+      sampling: as for :func:`epsilon` (``"fixed"``, fixed-size batches drawn without
+        replacement, is analysed for replace-one neighbours and needs ``accountant="rdp"`` and
         ``num_examples``).
+      num_examples: as for :func:`epsilon`.
     """
 
     def __init__(

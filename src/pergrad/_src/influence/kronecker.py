@@ -77,7 +77,8 @@ def project_factored(
         :class:`pergrad.FallbackWarning`); in JAX any traceable loss.
       params: the parameters (``loss.params()`` in PyTorch).
       batch: tuple of ``fn``'s batched arguments.
-      k_in, k_out: each dense layer's feature is ``k_in x k_out``.
+      k_in: each dense layer's feature is ``k_in x k_out``: its input side.
+      k_out: its output-gradient side.
       other_dim: the dimension the remaining parameters' gradients are projected to, together.
       seed: the projections' seed; the same for every call whose features are compared.
 

@@ -481,9 +481,15 @@ def inverse_hvp(
     of ``fn`` over ``batch`` at ``params`` (plus that of ``regularizer``, if given).
 
     Args:
+      fn: the loss of ONE example, as for :func:`influence_function`.
+      params: the parameters, as for :func:`influence_function`.
+      batch: tuple of ``fn``'s batched arguments whose mean loss defines ``H``.
       vectors: a pytree like ``params`` with a leading axis ``k`` on every float leaf, e.g.
         per-example gradients of ``k`` test examples.
-      Other arguments as for :func:`influence_function`.
+      damping: as for :func:`influence_function`.
+      solver: as for :func:`influence_function`.
+      regularizer: as for :func:`influence_function`.
+      chunk_size: as for :func:`influence_function`.
 
     Returns:
       A pytree like ``vectors``; non-float leaves of ``params`` come back as None.
@@ -545,7 +551,8 @@ def tracin(
         epoch.
       learning_rates: the learning rate in effect at each checkpoint: one number for all, or a
         sequence with one positive number per checkpoint.
-      train_batch, test_batch: tuples of ``fn``'s batched arguments.
+      train_batch: tuple of ``fn``'s batched arguments for the training examples.
+      test_batch: the same for the test examples.
       target_fn: ``target_fn(params, *example) -> scalar`` of one test example, whose gradient
         is scored instead of its loss (as for :func:`influence_function`); default ``fn``.
       chunk_size: compute train gradients this many examples at a time.

@@ -80,8 +80,11 @@ def top_k(
         gradients.
       target_fn: the function of one test example whose gradient is scored; default ``fn``
         (as for :func:`influence_function`).
-      regularizer, hessian_batch, damping, solver: for ``"influence"``, as for
-        :func:`influence_function` (the test side is solved once).
+      regularizer: for ``"influence"``, as for :func:`influence_function`.
+      hessian_batch: for ``"influence"``, as for :func:`influence_function`.
+      damping: for ``"influence"``, as for :func:`influence_function`.
+      solver: for ``"influence"``, as for :func:`influence_function` (the test side is solved
+        once).
       chunk_size: per-example gradients of this many examples at a time within a batch.
       progress: show a tqdm progress bar (default: when tqdm is installed).
       offset: the global index of the first streamed example, for a shard of a larger

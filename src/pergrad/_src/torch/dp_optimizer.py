@@ -89,7 +89,8 @@ class DPOptimizer:
         it securely for real privacy, or pass :class:`pergrad.dp.SecureRandom` to draw the
         noise from the operating system's cryptographic source. Distributed: rank 0's is used.
       num_inputs: how many batch arguments go to the model (the rest go to ``loss_fn``).
-      chunk_size, strategy: how the clipped sum is computed (see :func:`clipped_sum_of`).
+      chunk_size: how the clipped sum is computed (see :func:`clipped_sum_of`).
+      strategy: how the clipped sum is computed (see :func:`clipped_sum_of`).
       accountant: an :class:`Accountant` whose ``step()`` is called once per step.
       distributed: False (one process), True (the default ``torch.distributed`` process
         group) or a ``torch.distributed.ProcessGroup``.
