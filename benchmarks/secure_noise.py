@@ -15,7 +15,6 @@ import datetime
 import os
 import platform
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import torch
 
 from pergrad import dp
 from pergrad.bench.machine import cpu_model
+from pergrad.bench.timing import time_interleaved
 
 SIZES = [1_000_000, 10_000_000]
 
@@ -41,14 +41,7 @@ def measure(size: int, rounds: int, secure: dp.SecureRandom) -> dict[str, float]
         "jax": lambda: jax.block_until_ready(jax_key(grads_j, key)),
         "secure_jax": lambda: jax.block_until_ready(jax_secure(grads_j)),
     }
-    for fn in methods.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = time_interleaved(methods, rounds, warmup=1)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 

@@ -361,7 +361,7 @@ def _embedding_problem(layer: nn.Embedding) -> str | None:
     return None
 
 
-def _lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any]:
+def lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any]:
     """The rows looked up ``(B, N)``, their output gradients ``(B, N, D)`` (zero for the padding
     row, which gets no gradient) and one key per (example, row): ``example * V + row``."""
     batch = calls[0].output_grad.shape[0]
@@ -376,7 +376,7 @@ def _lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any
 
 
 def embedding_per_example(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    _, output_grads, keys = _lookups(layer, calls)
+    _, output_grads, keys = lookups(layer, calls)
     batch, width = output_grads.shape[0], layer.embedding_dim
     grads = output_grads.new_zeros(batch * layer.num_embeddings, width)
     grads.index_add_(0, keys, output_grads.reshape(-1, width))
@@ -386,7 +386,7 @@ def embedding_per_example(layer: nn.Embedding, calls: list[LayerCall]) -> dict[s
 def embedding_weighted_sum(
     layer: nn.Embedding, calls: list[LayerCall], weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    indices, output_grads, _ = _lookups(layer, calls)
+    indices, output_grads, _ = lookups(layer, calls)
     width = layer.embedding_dim
     scaled = output_grads * weights.to(output_grads.dtype)[:, None, None]
     grad = output_grads.new_zeros(layer.num_embeddings, width)
@@ -404,7 +404,7 @@ def embedding_weighted_sum(
 def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Per example, the output gradients of the positions that look up the same row add up;
     the squared norm is the sum over the distinct rows of the squared norm of that sum."""
-    indices, output_grads, keys = _lookups(layer, calls)
+    indices, output_grads, keys = lookups(layer, calls)
     batch, width = output_grads.shape[0], layer.embedding_dim
     unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
     row_sums = output_grads.new_zeros(unique_keys.shape[0], width)

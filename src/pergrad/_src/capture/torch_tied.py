@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pergrad._src.capture import torch_layers
 from pergrad._src.capture.rules import rule_for
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.errors import GhostUnsupported
@@ -157,14 +158,11 @@ def embedding_linear_cross(
     ``(B, T, S)``, summed. Positions of all calls side by side; the padding row gets no
     gradient, as in the embedding rule.
     """
-    batch = embedding_calls[0].output_grad.shape[0]
-    width, vocabulary = embedding.embedding_dim, embedding.num_embeddings
-    ids = torch.cat([c.inputs[0].reshape(batch, -1) for c in embedding_calls], dim=1).long()
-    rows = torch.cat([c.output_grad.reshape(batch, -1, width) for c in embedding_calls], dim=1)
-    if embedding.padding_idx is not None:
-        rows = rows * (ids != embedding.padding_idx).unsqueeze(-1)
-    inputs = torch.cat([c.inputs[0].reshape(batch, -1, width) for c in linear_calls], dim=1)
-    grads = torch.cat([c.output_grad.reshape(batch, -1, vocabulary) for c in linear_calls], dim=1)
+    ids, rows, _ = torch_layers.lookups(embedding, embedding_calls)
+    ids = ids.long()
+    inputs, grads = torch_layers.tokens(
+        linear_calls, embedding.embedding_dim, embedding.num_embeddings
+    )
     at_ids = torch.gather(grads, 2, ids.unsqueeze(1).expand(-1, grads.shape[1], -1))
     products = inputs.to(rows.dtype) @ rows.transpose(1, 2)
     return (at_ids.to(rows.dtype) * products).sum((1, 2))

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pergrad._src.backends import backend_of
 from pergrad._src.core.reductions import layer_reductions_of
 from pergrad._src.errors import PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
@@ -106,36 +107,15 @@ def project_factored(
     _register_plug_ins()
     matrices = LayerMatrices(seed, k_in, k_out)
     results = layer_reductions_of(fn, params, *batch, reduction=PLUG_IN, reduction_args=(matrices,))
-    count = _leading(results[0].value)
+    bk = backend_of(results[0].value, "project_factored", "params")
+    count = bk.shape(results[0].value)[0]
     blocks = [r.value.reshape(count, -1) for r in results if r.reduced]
     others = [r.value.reshape(count, -1) for r in results if not r.reduced]
     if others:
-        flat = others[0] if len(others) == 1 else _concatenate(others)
-        width = flat.shape[1]
-        rows = matrix_rows(seed + 1_000_003, other_dim, "gaussian", 0, width)
-        blocks.append(flat @ _as_array(rows, flat))
-    return blocks[0] if len(blocks) == 1 else _concatenate(blocks)
-
-
-def _leading(x: Any) -> int:
-    return int(x.shape[0])
-
-
-def _concatenate(pieces: list[Any]) -> Any:
-    first = pieces[0]
-    if type(first).__module__.startswith("torch"):
-        import torch
-
-        return torch.cat(pieces, dim=1)
-    import jax.numpy as jnp
-
-    return jnp.concatenate(pieces, axis=1)
-
-
-def _as_array(values: np.ndarray, like: Any) -> Any:
-    from pergrad._src.backends import backend_of
-
-    return as_backend_array(backend_of(like, "project_factored", "grads"), values, like)
+        flat = others[0] if len(others) == 1 else bk.concatenate(others, axis=1)
+        rows = matrix_rows(seed + 1_000_003, other_dim, "gaussian", 0, bk.shape(flat)[1])
+        blocks.append(flat @ as_backend_array(bk, rows, flat))
+    return blocks[0] if len(blocks) == 1 else bk.concatenate(blocks, axis=1)
 
 
 _REGISTERED: set[str] = set()
@@ -162,8 +142,9 @@ def _register_torch() -> None:
     ) -> Any:
         a, d = torch_layers.tokens(calls, width_in, width_out)
         p_in, p_out = matrices(id(layer), width_in, width_out)
-        left = a @ _as_array(p_in, a)
-        right = d @ _as_array(p_out, d)
+        bk = backend_of(a, "project_factored", "params")
+        left = a @ as_backend_array(bk, p_in, a)
+        right = d @ as_backend_array(bk, p_out, d)
         return left.transpose(1, 2) @ right  # (B, k_in, k_out)
 
     @register_reduction(PLUG_IN, "linear")
