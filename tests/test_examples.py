@@ -82,3 +82,28 @@ def test_influence_digits_draws_helpful_and_harmful_training_digits(tmp_path):
         helpful = row.split("most helpful training labels [")[1].split("]")[0].split(", ")
         assert helpful.count(true_label) >= 3
     assert (tmp_path / "influence_digits.png").stat().st_size > 10_000
+
+
+def test_dp_finetune_gpt2_quick_run_learns_within_its_epsilon():
+    pytest.importorskip("transformers", reason="the example trains a Hugging Face GPT-2")
+    pytest.importorskip("dp_accounting", reason="the example calibrates noise with dp-accounting")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "dp_finetune_gpt2.py"), "--quick", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {
+        cells[0]: cells[1:]
+        for cells in (
+            [cell.strip() for cell in line.split("|")[1:-1]]
+            for line in result.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line
+        )
+    }
+    untrained = float(rows["untrained"][1])
+    epsilon, private = float(rows["DP-SGD (pergrad)"][0]), float(rows["DP-SGD (pergrad)"][1])
+    assert epsilon <= 8.0 + 1e-6
+    assert float(rows["non-private"][1]) < private < untrained
+    assert "pergrad strategy: ghost" in result.stdout  # the tied embedding / LM head stays fast
