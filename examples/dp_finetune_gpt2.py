@@ -36,13 +36,14 @@ from tqdm import tqdm
 
 from pergrad import dp
 
-MODULES = (
-    "abc argparse array ast asyncio base64 bisect calendar collections contextlib copy csv "
-    "dataclasses datetime decimal difflib enum fractions functools glob gzip hashlib heapq hmac "
-    "inspect io ipaddress itertools json logging math operator os pathlib pickle pprint queue "
-    "random re shutil statistics string struct subprocess tarfile tempfile textwrap threading "
-    "typing unittest uuid warnings zipfile"
-).split()
+STDLIB = """
+abc argparse array ast asyncio base64 bisect calendar collections contextlib copy csv
+dataclasses datetime decimal difflib enum fractions functools glob gzip hashlib heapq hmac
+inspect io ipaddress itertools json logging math operator os pathlib pickle pprint queue
+random re shutil statistics string struct subprocess tarfile tempfile textwrap threading
+typing unittest uuid warnings zipfile
+"""
+MODULES = STDLIB.split()
 SEQ, DELTA_EXPONENT = 64, 1.1
 
 
