@@ -43,6 +43,7 @@ _LAZY = {
     "shard_batch": "pergrad._src.jax.sharding",
     "DPOptimizer": "pergrad._src.torch.dp_optimizer",
     "DPStep": "pergrad._src.torch.dp_optimizer",
+    "DPTrainer": "pergrad._src.torch.hf_trainer",
     "broadcast_parameters": "pergrad._src.torch.distributed",
     "PoissonBatchSampler": "pergrad._src.torch.sampling",
     "collate_with_empty_batches": "pergrad._src.torch.sampling",
