@@ -11,11 +11,21 @@ Reductions are plug-ins: beyond the three every family has, a new per-example qu
 per-layer Kronecker projection of the gradient, for attribution) is taught to a family with
 :func:`register_reduction`, from its own module, without touching the engine or the rules;
 a strategy asks ``rule.reduction(name)``.
+
+Precision: the built-in reductions of a registered rule always compute in at least float32 with
+autocast off (:func:`in_reduction_precision`). Under ``torch.autocast`` the records are bfloat16
+or float16 while the parameters are float32; squaring a float16 activation past 256 overflows,
+and autocast would run the rules' own matrix products in the low dtype too, rounding the clip
+factors by ``2**-9`` (so a clipped example could exceed its bound). The results come back in
+the parameter's dtype (squared norms of a float16 parameter in float32, which holds them; a
+float64 computation, the tied-weight path's, stays float64).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,15 +98,88 @@ def register(
 
     A type is a class, or the ``"module.QualName"`` of one. Types are matched exactly, not by
     subclass: a subclass may override ``forward`` and compute something the rule does not know.
+    A rule written without ``weighted_sum`` gets one that contracts its ``per_example``
+    gradients with the weights (fine where those are as small as an activation). All three
+    run through :func:`in_reduction_precision`.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
-        rule = LayerRule(name, squared_norms, problem, per_example, weighted_sum)
+        summed = weighted_sum if weighted_sum is not None else _contracted(per_example)
+        rule = LayerRule(
+            name,
+            _in_precision(squared_norms, squared=True),
+            problem,
+            _in_precision(per_example),
+            _in_precision(summed),
+        )
         for layer_type in layer_types:
             _RULES[layer_type] = rule
         return squared_norms
 
     return decorate
+
+
+def _contracted(per_example: PerExampleFn) -> WeightedSumFn:
+    def weighted_sum(layer: Any, calls: list[Any], weights: Any) -> dict[str, Any]:
+        grads = per_example(layer, calls)
+        return {k: _contract(weights.to(g.dtype), g) for k, g in grads.items()}
+
+    return weighted_sum
+
+
+def _contract(weights: Any, grads: Any) -> Any:
+    """``sum_i w_i g_i`` for ``(B,)`` weights and ``(B, ...)`` gradients."""
+    import torch
+
+    return torch.tensordot(weights, grads, dims=1)
+
+
+@contextlib.contextmanager
+def in_reduction_precision(device: Any) -> Iterator[None]:
+    """Autocast off on ``device`` for the arithmetic inside: pergrad's own products of
+    records, norms and clip factors run in the dtype of their operands, not autocast's."""
+    import torch
+
+    device_type = torch.device(device).type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, enabled=False):
+        yield
+
+
+def _widen(x: Any) -> Any:
+    """float16 / bfloat16 -> float32; anything else (float32, float64, integers) as it is."""
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() < 4:
+        return x.float()
+    return x
+
+
+def _in_precision(fn: Callable[..., dict[str, Any]], squared: bool = False) -> Any:
+    """``fn(layer, calls, *args)`` on calls widened to float32, autocast off; each result
+    in its parameter's dtype (see the module docstring)."""
+    import torch
+
+    @functools.wraps(fn)
+    def run(layer: Any, calls: list[Any], *args: Any) -> dict[str, Any]:
+        widened = [
+            type(call)(tuple(_widen(x) for x in call.inputs), _widen(call.output_grad))
+            for call in calls
+        ]
+        with in_reduction_precision(calls[0].output_grad.device):
+            values = fn(layer, widened, *(_widen(a) for a in args))
+        result = {}
+        for key, value in values.items():
+            param = getattr(layer, key, None)
+            dtype = param.dtype if isinstance(param, torch.Tensor) else value.dtype
+            if value.dtype == torch.float64 or (squared and dtype == torch.float16):
+                dtype = value.dtype  # float64 asked for; float16 cannot hold squared norms
+            result[key] = value.to(dtype)
+        return result
+
+    return run
 
 
 def rule_for(layer: Any) -> LayerRule | None:

@@ -245,7 +245,7 @@ def _conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor
     return patches.reshape(batch, groups, width // groups, positions).transpose(-1, -2)
 
 
-def _conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[Any, Any]:
+def conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[Any, Any]:
     """Patches ``(B, G, L, C_in / G * prod(kernel))`` and output gradients ``(B, G, L, C_out / G)``
     of every call, positions side by side."""
     batch = calls[0].output_grad.shape[0]
@@ -307,8 +307,11 @@ def conv_weighted_sum(
     layer: Any, calls: list[LayerCall], weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The convolution's own weight gradient, with each example's output gradient scaled."""
-    weight = torch.zeros_like(layer.weight)
-    bias = None if layer.bias is None else torch.zeros_like(layer.bias)
+    # in the calls' dtype (float32 for a float16 / bfloat16 model, see rules.py), not the
+    # weight's: each call's share would otherwise be rounded as it is added
+    dtype = calls[0].output_grad.dtype
+    weight = layer.weight.new_zeros(layer.weight.shape, dtype=dtype)
+    bias = None if layer.bias is None else layer.bias.new_zeros(layer.bias.shape, dtype=dtype)
     for call in calls:
         scale = weights.to(call.output_grad.dtype).reshape(-1, *[1] * (call.output_grad.dim() - 1))
         scaled = call.output_grad * scale
@@ -342,7 +345,7 @@ def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
 )
 def conv_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     if _uses_gram(layer, calls):
-        patches, output_grads = _conv_tokens(layer, calls)
+        patches, output_grads = conv_tokens(layer, calls)
         result = {"weight": outer_product_squared_norms(patches, output_grads)}
     else:
         result = {"weight": _squared(_conv_weight_per_example(layer, calls))}
@@ -498,13 +501,18 @@ _register_affine(
 )
 
 
+def _running_stats(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running mean and variance in ``x``'s dtype: a bfloat16 model's inputs reach the
+    rules widened to float32 (rules.py), and torch refuses mixed dtypes here."""
+    return layer.running_mean.to(x.dtype), layer.running_var.to(x.dtype)
+
+
 def _instance_normalizer(layer: nn.Module) -> Any:
     def normalize(x: torch.Tensor) -> torch.Tensor:
         if layer.training or not layer.track_running_stats:  # each example's own statistics
             return F.instance_norm(x, eps=layer.eps)
-        return F.instance_norm(
-            x, layer.running_mean, layer.running_var, use_input_stats=False, eps=layer.eps
-        )
+        mean, var = _running_stats(layer, x)
+        return F.instance_norm(x, mean, var, use_input_stats=False, eps=layer.eps)
 
     return normalize
 
@@ -531,9 +539,7 @@ _register_affine(
     nn.BatchNorm3d,
     name="batch_norm_eval",
     normalizer=lambda layer: (
-        lambda x: F.batch_norm(
-            x, layer.running_mean, layer.running_var, None, None, False, 0.0, layer.eps
-        )
+        lambda x: F.batch_norm(x, *_running_stats(layer, x), None, None, False, 0.0, layer.eps)
     ),
     reduce_dims=_channel_dims,
     problem=_batch_norm_problem,

@@ -1,15 +1,17 @@
 """Tied parameters on the ghost path: the cross terms of two layers sharing one parameter.
 
-A parameter used by several layers (GPT-2's input embedding, reused as its output projection)
-has the per-example gradient ``g = g_1 + ... + g_k``, one term per layer, so
+A parameter used by several layers (GPT-2's input embedding, reused as its output projection;
+T5's one table, looked up by its encoder's and its decoder's embedding layers and reused as its
+lm head) has the per-example gradient ``g = g_1 + ... + g_k``, one term per layer, so
 
     |g|^2 = sum_j |g_j|^2 + 2 sum_{j < l} <g_j, g_l>.
 
 Each ``|g_j|^2`` is its layer rule's squared norm (``torch_layers.py``); a *cross rule* gives
 ``<g_j, g_l>`` per example from the two layers' captured calls without forming either gradient.
 Cross rules are registered for a pair of layer families (``rules.LayerRule.name``) and the
-parameter each side shares, one small function a pair, in either order; a tie between families
-without one is not ghosted (``ghost_torch.plan`` refuses it, naming the pair).
+parameter each side shares, one small function a pair, in either order: (embedding, linear)
+and (embedding, embedding) below. A tie between families without one is not ghosted
+(``ghost_torch.plan`` refuses it, naming the pair).
 
 Precision: the layers' calls are widened to float64 (:func:`widened`) before the rules and the
 cross rules see them. A tied gradient may nearly cancel (``g_1 ~ -g_2``); the sum above then
@@ -166,3 +168,40 @@ def embedding_linear_cross(
     at_ids = torch.gather(grads, 2, ids.unsqueeze(1).expand(-1, grads.shape[1], -1))
     products = inputs.to(rows.dtype) @ rows.transpose(1, 2)
     return (at_ids.to(rows.dtype) * products).sum((1, 2))
+
+
+@register_cross("embedding", "embedding")
+def embedding_embedding_cross(
+    first: nn.Embedding,
+    first_calls: list[LayerCall],
+    second: nn.Embedding,
+    second_calls: list[LayerCall],
+) -> torch.Tensor:
+    """One table ``(V, D)`` looked up by two embedding layers (T5's encoder and decoder
+    embeddings, both the shared one).
+
+    Each layer's gradient has row ``r`` equal to the sum of the output gradients of its
+    positions that look up ``r``; so ``<g_1, g_2> = sum_r s_1[r] . s_2[r]`` over the rows both
+    look up, per example. Both layers' ``(example, row)`` keys are numbered together, each
+    layer's output gradients summed per key, and the products of the two sums added up per
+    example: ``O(N D)`` for ``N`` looked-up positions, never ``V x D`` per example. The padding
+    row of each layer gets no gradient, as in the embedding rule.
+    """
+    _, first_grads, first_keys = torch_layers.lookups(first, first_calls)
+    _, second_grads, second_keys = torch_layers.lookups(second, second_calls)
+    batch, width = first_grads.shape[0], first.embedding_dim
+    unique_keys, row_of_position = torch.unique(
+        torch.cat([first_keys, second_keys]), return_inverse=True
+    )
+    split = first_keys.shape[0]
+    sums = []
+    for grads, rows in (
+        (first_grads, row_of_position[:split]),
+        (second_grads, row_of_position[split:]),
+    ):
+        total = grads.new_zeros(unique_keys.shape[0], width)
+        total.index_add_(0, rows, grads.reshape(-1, width))
+        sums.append(total)
+    cross = first_grads.new_zeros(batch)
+    cross.index_add_(0, unique_keys // first.num_embeddings, (sums[0] * sums[1]).sum(1))
+    return cross

@@ -12,7 +12,7 @@ from torch import nn
 from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
 from pergrad._src.dp.secure import SecureRandom
-from pergrad._src.errors import PergradTypeError, warn_from_caller
+from pergrad._src.errors import PergradTypeError, PergradValueError, warn_from_caller
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -28,11 +28,16 @@ class DPStep:
     """What one private step did: the share of examples whose gradient was clipped, the batch
     size, and how the clipped sum was computed (``"ghost"``, ``"chunked"`` or
     ``"materialize"``, see :func:`pergrad.norms.choose_strategy`). With ``distributed``, the
-    clip fraction and batch size are over all processes, the strategy this process's."""
+    clip fraction and batch size are over all processes, the strategy this process's.
+
+    ``skipped`` (with a ``scaler`` only): the loss scale overflowed, so the step drew no noise,
+    left the parameters as they were and halved the scale (for :meth:`DPOptimizer.accumulate`:
+    this micro-batch overflowed, so the step it belongs to will be skipped)."""
 
     clip_fraction: float
     batch_size: int
     strategy: str
+    skipped: bool = False
 
 
 class DPOptimizer:
@@ -77,6 +82,21 @@ class DPOptimizer:
     :meth:`step` (noise once per logical step). Distributed: one all-reduce of ``P + 2`` numbers per step, and at
     construction two all-gathers and one pass over the parameters' bytes.
 
+    **Mixed precision**: call ``step`` inside ``torch.autocast`` (the model's forward pass
+    runs in bfloat16 / float16, the parameters stay float32); the norms, clip factors and
+    clipped sum are computed in float32 from the low-precision activations, so the bound holds
+    to float32 rounding. With float16, pass a ``scaler`` (``torch.amp.GradScaler``): each
+    example's loss is multiplied by the scale, its gradient is clipped at ``scale * max_norm``
+    and the sum divided by the scale (the same as unscaling, then clipping at ``max_norm``),
+    and the noise is added to that unscaled sum. If any example's scaled gradient overflows
+    (inf or nan), the step is skipped: no noise is drawn, the parameters keep their values,
+    ``.grad`` is None, the scaler backs its scale off and :attr:`DPStep.skipped` is True. The
+    accountant still counts a skipped step (the batch was drawn). Skipping depends on the data
+    (whether some example overflowed) and is visible, a release the noise does not cover: with
+    skipped steps the accountant's epsilon holds for the noisy updates but not for the skip
+    pattern. Prefer bfloat16 (float32's range, no scaler, never skips) where the hardware has
+    it. See the DP-SGD guide.
+
     Args:
       optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
       model: the ``nn.Module`` (not wrapped in ``DistributedDataParallel``).
@@ -94,6 +114,8 @@ class DPOptimizer:
       accountant: an :class:`Accountant` whose ``step()`` is called once per step.
       distributed: False (one process), True (the default ``torch.distributed`` process
         group) or a ``torch.distributed.ProcessGroup``.
+      scaler: a ``torch.amp.GradScaler`` for float16 autocast (None: no loss scaling). Not
+        with ``distributed``. ``step`` calls its ``step`` and ``update``; do not call them.
     """
 
     def __init__(
@@ -111,6 +133,7 @@ class DPOptimizer:
         strategy: str = "auto",
         accountant: Any = None,
         distributed: bool | torch.distributed.ProcessGroup = False,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PergradTypeError(
@@ -135,6 +158,9 @@ class DPOptimizer:
                 f"or None; got "
                 f"{type(generator).__name__}."
             )
+        scaler = _check_scaler(scaler, distributed)
+        self.scaler = scaler
+        self._scaled_loss = None if scaler is None else _ScaledLoss(loss_fn)
         self.optimizer = optimizer
         self.model = model
         self.max_norm = float(max_norm)
@@ -142,11 +168,12 @@ class DPOptimizer:
         self.expected_batch_size = expected_batch_size
         self.generator = generator
         self.accountant = accountant
-        self._loss = module_loss(model, loss_fn, num_inputs=num_inputs)
+        self._loss = module_loss(model, self._scaled_loss or loss_fn, num_inputs=num_inputs)
         self.strategy = strategy
         self.chunk_size = chunk_size
         self._warned_off_ghost = False
         self._pending: ClippedSum | None = None  # accumulated micro-batches of this step
+        self._pending_overflow = False  # some micro-batch's scaled gradients were not finite
         self._pending_strategy = "materialize"
         self.process_group = process_group_of("DPOptimizer", distributed)
         if self.process_group is not None:
@@ -188,7 +215,8 @@ class DPOptimizer:
                 "DPOptimizer.accumulate: pass one micro-batch, the model inputs then the loss "
                 "function's targets, as for step()."
             )
-        clipped, strategy = self._clipped(batch)
+        clipped, strategy, overflow = self._clipped(batch)
+        self._pending_overflow = self._pending_overflow or overflow
         pending = self._pending
         if pending is None:
             self._pending = clipped
@@ -204,7 +232,7 @@ class DPOptimizer:
                 count=pending.count + clipped.count,
             )
         self._pending_strategy = strategy
-        return DPStep(float(clipped.clip_fraction), int(clipped.count), strategy)
+        return DPStep(float(clipped.clip_fraction), int(clipped.count), strategy, overflow)
 
     def step(self, *batch: Any) -> DPStep:
         """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets);
@@ -218,34 +246,99 @@ class DPOptimizer:
                 "targets), or accumulate() micro-batches first and then call step()."
             )
         clipped, strategy = self._pending, self._pending_strategy
-        self._pending = None
-        totals = self._noisy_totals(clipped)
-        denominator = self.expected_batch_size or max(totals.count, 1.0)
-        for name, param in self.model.named_parameters():
-            if name in totals.sum:
-                param.grad = (totals.sum[name] / denominator).detach().to(param.dtype)
-        self.optimizer.step()
+        overflow, self._pending, self._pending_overflow = self._pending_overflow, None, False
+        if overflow:
+            self._skip()
+            totals = StepTotals(clipped.sum, float(clipped.count), float(clipped.clip_fraction))
+        else:
+            totals = self._noisy_totals(clipped)
+            denominator = self.expected_batch_size or max(totals.count, 1.0)
+            self._update(
+                {name: value / denominator for name, value in totals.sum.items()},
+            )
         if self.accountant is not None:
-            self.accountant.step()
+            self.accountant.step()  # skipped or not: the batch was drawn (see the docstring)
         return DPStep(
             clip_fraction=totals.clip_fraction,
             batch_size=int(totals.count),
             strategy=strategy,
+            skipped=overflow,
         )
 
-    def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str]:
+    def _update(self, gradient: dict[str, torch.Tensor]) -> None:
+        """Write the private gradient to ``.grad`` and step: through the scaler, which gets
+        it multiplied by its scale (it divides by it again; exact for a power-of-two scale)."""
+        scale = self._scale() if self._scaled_loss is not None else 1.0
+        for name, param in self.model.named_parameters():
+            if name in gradient:
+                param.grad = (gradient[name] * scale).detach().to(param.dtype)
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def _skip(self) -> None:
+        """A skipped step: the scaler learns of the overflow the only way it can, from a
+        non-finite gradient it is asked to unscale, and backs its scale off; the optimizer
+        does not step, and ``.grad`` is left None."""
+        assert self.scaler is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = torch.full_like(param, float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        for param in params:
+            param.grad = None
+
+    def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str, bool]:
+        """The micro-batch's clipped sum (unscaled), its strategy, and whether its scaled
+        gradients overflowed."""
         params = self._loss.params()
         choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
         self._warn_off_ghost(choice)
+        scale = 1.0
+        if self._scaled_loss is not None:
+            scale = self._scaled_loss.scale = self._scale()
+        # Each loss times the scale gives each gradient times the scale: clipping those at
+        # scale * max_norm and dividing the sum by the scale is unscaling, then clipping.
         clipped = clipped_sum_of(
             self._loss,
             params,
             *batch,
-            max_norm=self.max_norm,
+            max_norm=self.max_norm * scale,
             strategy=self.strategy,
             chunk_size=self.chunk_size,
         )
-        return clipped, choice.strategy
+        finite = _all_finite([clipped.norms, *clipped.sum.values()])
+        if not finite and self._scaled_loss is None:
+            raise PergradValueError(
+                "DPOptimizer.step: some example's gradient is not finite (inf or nan), so its "
+                "clipped contribution is undefined and the step would write nan into the "
+                "parameters. Under float16 autocast, whose range ends at 65504, pass "
+                "scaler=torch.amp.GradScaler(...) to skip such steps and lower the loss scale, "
+                "or autocast to bfloat16; otherwise look for a nan or inf in the batch or loss."
+            )
+        if not finite:  # an inf norm makes the count nan (inf * 0): count the examples
+            norms = clipped.norms
+            clipped = clipped._replace(
+                count=torch.tensor(float(norms.shape[0]), device=norms.device),
+                clip_fraction=(~(norms <= self.max_norm * scale)).float().mean(),
+            )
+        if scale != 1.0:
+            clipped = clipped._replace(
+                sum={name: value / scale for name, value in clipped.sum.items()},
+                norms=clipped.norms / scale,
+                sensitivity=self.max_norm,
+            )
+        return clipped, choice.strategy, not finite
+
+    def _scale(self) -> float:
+        """The scaler's current scale. Asked through ``scale()``, which creates it on the
+        parameters' device the first time (``step`` and ``update`` need it to exist)."""
+        assert self.scaler is not None
+        device = next(iter(self._loss.params().values())).device
+        return float(self.scaler.scale(torch.ones((), device=device)))
 
     def _warn_off_ghost(self, choice: Any) -> None:
         """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
@@ -277,3 +370,40 @@ class DPOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+class _ScaledLoss:
+    """``loss_fn`` times the scaler's current scale (set before each micro-batch)."""
+
+    def __init__(self, loss_fn: Callable[..., Any]) -> None:
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+
+    def __call__(self, output: Any, *targets: Any) -> Any:
+        loss = self.loss_fn(output, *targets)
+        if isinstance(loss, tuple) and len(loss) == 2:  # (loss, aux)
+            return loss[0] * self.scale, loss[1]
+        return loss * self.scale
+
+
+def _check_scaler(scaler: Any, distributed: Any) -> torch.amp.GradScaler | None:
+    """The scaler if it scales (None for None or a disabled one); refuses anything else."""
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise PergradTypeError(
+            f"DPOptimizer: scaler must be a torch.amp.GradScaler (e.g. "
+            f"torch.amp.GradScaler('cuda') for float16 autocast) or None; got "
+            f"{type(scaler).__name__}."
+        )
+    if distributed is not False:
+        raise PergradValueError(
+            "DPOptimizer: scaler is not supported with distributed yet (the processes would "
+            "have to agree on skipping a step); autocast to bfloat16, which needs no scaler, "
+            "or train in one process."
+        )
+    return scaler if scaler.is_enabled() else None
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
