@@ -298,17 +298,106 @@ def test_embedding_lookups_match_the_formed_gradient(name, seed, repeats):
     check_against_materialized(loss, (params, ids))
 
 
-def test_a_tied_embedding_is_formed_per_example():
-    rng = np.random.default_rng(0)
-    params = {"table": jnp.asarray(rng.standard_normal((VOCAB, DIM)), jnp.float32)}
-    ids = jnp.asarray(rng.integers(0, VOCAB, (4, LENGTH)), jnp.int32)
+def tied_lm_problem(batch=5, vocab=VOCAB, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "table": jnp.asarray(rng.standard_normal((vocab, DIM)), jnp.float32),
+        "w": jnp.asarray(rng.standard_normal((DIM, DIM)) / DIM**0.5, jnp.float32),
+    }
+    ids = jnp.asarray(rng.integers(0, vocab, (batch, LENGTH)), jnp.int32)  # repeats ids
+    return params, ids
+
+
+def test_a_tied_embedding_and_output_projection_take_the_ghost_path():
+    params, ids = tied_lm_problem()
 
     def loss(p, ids):  # the same table embeds the tokens and scores the next one
-        logits = jnp.tanh(p["table"][ids]) @ p["table"].T
-        return -jnp.sum(jax.nn.log_softmax(logits)[:, 0])
+        logits = jnp.tanh(p["table"][ids] @ p["w"]) @ p["table"].T
+        return -jnp.sum(jax.nn.log_softmax(logits)[:-1] * jax.nn.one_hot(ids[1:], VOCAB))
 
     choice = choose_strategy(loss, params, ids)
-    assert choice.unsupported == {"['table']": "used by 2 contractions (a shared weight)"}
+    assert choice.strategy == "ghost"
+    assert choice.layers == {"['table']": "tied: embedding + dense", "['w']": "dense"}
+    assert choice.unsupported == {}
+    check_against_materialized(loss, (params, ids))
+    step = jax.jit(lambda p, ids: clipped_sum_of(loss, p, ids, max_norm=0.3, strategy="ghost"))
+    expected = pergrad.dp.clipped_sum(pergrad.per_example_grads(loss)(params, ids), 0.3)
+    assert_trees_close(step(params, ids).sum, expected.sum)
+
+
+def test_a_table_read_twice_and_tied_to_the_head():
+    """T5's shared embedding: the encoder's and the decoder's tokens read the same table,
+    which also scores the output; and two lookups without a head."""
+    params, ids = tied_lm_problem(seed=1)
+    rng = np.random.default_rng(2)
+    targets = jnp.asarray(rng.integers(0, VOCAB, ids.shape), jnp.int32)
+
+    def loss(p, ids, targets):
+        context = jnp.tanh(p["table"][ids]).mean(0)
+        h = jnp.tanh(p["table"][targets] @ p["w"] + context)
+        return jnp.sum(jax.nn.logsumexp(h @ p["table"].T, axis=-1))
+
+    def lookups_only(p, ids, targets):
+        return jnp.sum(jnp.tanh(p["table"][ids] @ p["w"]) * p["table"][targets])
+
+    for fn, kinds in ((loss, "embedding + embedding + dense"), (lookups_only, None)):
+        choice = choose_strategy(fn, params, ids, targets)
+        assert choice.strategy == "ghost"
+        if kinds is not None:
+            assert choice.layers["['table']"] == f"tied: {kinds}"
+        check_against_materialized(fn, (params, ids, targets))
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_a_tied_table_with_out_of_range_ids(mode):
+    """Padding ids outside the table: "fill" reads no row (no gradient), "clip" the last."""
+    params, ids = tied_lm_problem(seed=3)
+    ids = ids.at[0, :2].set(-1).at[1, -1].set(VOCAB + 3)
+
+    def loss(p, ids):
+        x = jnp.take(p["table"], ids, axis=0, mode=mode, fill_value=0.0 if mode == "fill" else None)
+        return jnp.sum(jax.nn.logsumexp(jnp.tanh(x @ p["w"]) @ p["table"].T, axis=-1))
+
+    assert choose_strategy(loss, params, ids).layers["['table']"].startswith("tied")
+    check_against_materialized(loss, (params, ids))
+
+
+def test_a_flax_embed_with_attend_takes_the_ghost_path():
+    nn = pytest.importorskip("flax.linen", reason="flax's Embed.attend ties the output layer")
+
+    class TiedLM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            embed = nn.Embed(VOCAB, DIM)
+            h = nn.LayerNorm()(jnp.tanh(nn.Dense(DIM)(embed(ids))))
+            return embed.attend(h)
+
+    model = TiedLM()
+    _, ids = tied_lm_problem(seed=4)
+    params = model.init(jax.random.key(0), ids[0])
+
+    def loss(p, ids):
+        logits = model.apply(p, ids)
+        return -jnp.mean(jax.nn.log_softmax(logits)[:-1] * jax.nn.one_hot(ids[1:], VOCAB)) * VOCAB
+
+    choice = choose_strategy(loss, params, ids)
+    assert choice.strategy == "ghost"
+    assert choice.layers["['params']['Embed_0']['embedding']"] == "tied: embedding + dense"
+    check_against_materialized(loss, (params, ids))
+
+
+def test_a_table_whose_rows_are_contracted_is_formed_per_example():
+    """``h @ table`` sums over the rows, so a row's use is not its own output column: not a
+    tied output projection, and the table's gradient is formed per example."""
+    params, ids = tied_lm_problem(seed=5)
+
+    def loss(p, ids):
+        weights = jax.nn.softmax(jnp.tanh(p["table"][ids] @ p["w"]) @ p["table"].T)
+        return jnp.sum(jnp.tanh(weights @ p["table"]))
+
+    choice = choose_strategy(loss, params, ids)
+    assert "['table']" in choice.unsupported
+    assert "used by 3 contractions" in choice.unsupported["['table']"]
     check_against_materialized(loss, (params, ids), strategy="auto")
 
 

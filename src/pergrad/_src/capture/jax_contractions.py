@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pergrad._src.capture.jax_engine import Site, apply_chain, contract
-from pergrad._src.capture.jax_rules import register
+from pergrad._src.capture.jax_engine import Site, apply_chain, contract, row_axis
+from pergrad._src.capture.jax_rules import register, rule_for
 
 _EXACT = jax.lax.Precision.HIGHEST  # no TF32 / bfloat16 passes for the norms on a GPU or TPU
 
@@ -154,6 +154,14 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
 def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
     """``(B,)`` squared norms of a looked-up table's gradients: rows read at positions ``t`` and
     ``s`` add up when the ids are equal, so ``|g|^2 = sum_{t,s} [id_t = id_s] dz_t . dz_s``."""
+    rows, valid, d = _lookups(site, ids, cotangents)
+    return _row_sums_squared(rows, d, ids.shape[0])
+
+
+def _lookups(site: Site, ids: Any, cotangents: Any) -> tuple[Any, Any, Any]:
+    """One lookup site's ``(rows (B, T) int32, valid (B, T) bool, d (B, T, F) wide)``: the row
+    each position reads (clamped for the CLIP mode; -1 where it reads none), whether it reads
+    one, and its cotangent (zero where it reads none)."""
     batch = ids.shape[0]
     rows = site.eqn.invars[0].aval.shape[0]
     row_column = tuple(site.eqn.params["dimension_numbers"].start_index_map).index(0)
@@ -173,20 +181,118 @@ def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
         valid = (ids >= 0) & (ids < rows)
         d = jnp.where(valid[:, :, None], d, 0)
     else:
-        ids = jnp.clip(ids, 0, rows - 1)
+        valid = jnp.ones(ids.shape, bool)
+    # A position that reads no row gets the row -1: its own segment, never merged with a row.
+    return jnp.where(valid, jnp.clip(ids, 0, rows - 1), -1), valid, d
+
+
+def _segments(ids: Any) -> tuple[Any, Any, Any, Any]:
+    """Positions grouped by (example, row): ``(order, segment, starts, owner)`` for ``ids (B,
+    T)``: the sort order of the flattened positions, each sorted position's segment, whether it
+    starts one, and each segment's example (segments past the last are empty, owned by 0)."""
+    batch, positions = ids.shape
+    example = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape).reshape(-1)
+    flat = ids.reshape(-1)
+    order = jnp.lexsort((flat, example))
+    flat, example = flat[order], example[order]
+    starts = jnp.concatenate(
+        [jnp.ones(1, bool), (flat[1:] != flat[:-1]) | (example[1:] != example[:-1])]
+    )
+    segment = jnp.cumsum(starts) - 1
+    owner = jnp.zeros(batch * positions, example.dtype).at[segment].set(example)
+    return order, segment, starts, owner
+
+
+def _row_sums_squared(rows: Any, d: Any, batch: int) -> Any:
     # The cotangents of the positions that read the same row of one example are summed (sorted
     # by (example, row), one segment per distinct pair), then squared: no Gram matrix
     # sum_{t,s} [id_t = id_s] dz_t . dz_s, whose rounding can exceed the norm when they cancel.
-    positions = ids.shape[1]
-    example = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape).reshape(-1)
-    ids = ids.reshape(-1)
-    order = jnp.lexsort((ids, example))
-    ids, example = ids[order], example[order]
-    starts = jnp.concatenate(
-        [jnp.ones(1, bool), (ids[1:] != ids[:-1]) | (example[1:] != example[:-1])]
-    )
-    segment = jnp.cumsum(starts) - 1
-    count = batch * positions
+    order, segment, _, owner = _segments(rows)
+    count = rows.size
     sums = jax.ops.segment_sum(d.reshape(count, -1)[order], segment, num_segments=count)
-    owner = jnp.zeros(count, example.dtype).at[segment].set(example)
     return jax.ops.segment_sum((sums**2).sum(axis=1), owner, num_segments=batch)
+
+
+def tied_squared_norms(
+    sites: tuple[Site, ...], param: Any, inputs: tuple[Any, ...], cotangents: tuple[Any, ...]
+) -> Any:
+    """``(B,)`` squared norms of a table tied across uses (``jax_engine.is_tied_table``): read
+    by embedding lookups and by at most one dense contraction (an output projection).
+
+    Each example's gradient is the sum of its uses'. The lookups only touch the rows they read
+    (``S_r``, the cotangents of the positions reading row ``r``, summed over every lookup), so
+    ``|G|^2 = sum_{r read} |S_r + D_r|^2 + (|D|^2 - sum_{r read} |D_r|^2)`` with ``D`` the dense
+    use's gradient: its rows ``D_r`` at the rows read come from the dense contraction applied
+    to those rows alone (``T x T`` work per example, never the ``rows x width`` gradient), its
+    whole norm from the dense rule. Every term but the last bracket is a sum of squares; that
+    bracket, ``D``'s mass on the rows not read, is clamped at 0 against rounding, so the norm is
+    never below that of the rows read."""
+    lookups = [k for k, site in enumerate(sites) if site.kind == "embedding"]
+    parts = [_lookups(sites[k], inputs[k], cotangents[k]) for k in lookups]
+    rows = jnp.concatenate([p[0] for p in parts], axis=1)
+    valid = jnp.concatenate([p[1] for p in parts], axis=1)
+    d = jnp.concatenate([p[2] for p in parts], axis=1)
+    batch = rows.shape[0]
+    dense = [k for k, site in enumerate(sites) if site.kind == "dense"]
+    if not dense:
+        return _row_sums_squared(rows, d, batch).astype(param.dtype)
+    (k,) = dense
+    whole = dense_squared_norms(sites[k], param, inputs[k], cotangents[k])
+    read = _dense_rows(sites[k], param, inputs[k], cotangents[k], rows)  # (B, T, F)
+    order, segment, starts, owner = _segments(rows)
+    count = rows.size
+    summed = jax.ops.segment_sum(d.reshape(count, -1)[order], segment, num_segments=count)
+    # One copy of D_r per (example, row) read through a valid position: the segment's first.
+    first = jnp.where(starts, 1.0, 0.0) * valid.reshape(-1)[order]
+    dense_rows = jax.ops.segment_sum(
+        read.reshape(count, -1)[order] * first[:, None], segment, num_segments=count
+    )
+    touched = jax.ops.segment_sum(
+        ((summed + dense_rows) ** 2).sum(axis=1), owner, num_segments=batch
+    )
+    dense_touched = jax.ops.segment_sum((dense_rows**2).sum(axis=1), owner, num_segments=batch)
+    rest = jnp.maximum(_wide(whole) - dense_touched, 0.0)
+    return (touched + rest).astype(param.dtype)
+
+
+def _dense_rows(site: Site, param: Any, inputs: Any, cotangents: Any, rows: Any) -> Any:
+    """``(B, T, F)``: each example's gradient of the dense use, at the rows ``rows (B, T)``:
+    the contraction applied to a table of those rows alone (each output column depends on its
+    own row only), transposed against the cotangent's columns at those rows."""
+    axis = row_axis(site, param.shape, param.dtype)
+
+    def of_one(layer_input: Any, cotangent: Any, ids: Any) -> Any:
+        ids = jnp.clip(ids, 0, param.shape[0] - 1)  # rows -1 (none read) are masked by the caller
+        table = _wide(param)[ids]
+
+        def apply(t: Any) -> Any:
+            return contract(site, _wide(layer_input), apply_chain(site, t))
+
+        _, transpose = jax.vjp(apply, table)
+        (g,) = transpose(jnp.take(_wide(cotangent), ids, axis=axis))
+        return g.reshape(ids.shape[0], -1)
+
+    return jax.vmap(of_one)(inputs, cotangents, rows)
+
+
+def tied_per_example(
+    sites: tuple[Site, ...], param: Any, inputs: tuple[Any, ...], cotangents: tuple[Any, ...]
+) -> Any:
+    """``(B, *param.shape)``: the tied table's per-example gradients, every use's summed."""
+    return sum(
+        rule_for(s).per_example(s, param, a, d) for s, a, d in zip(sites, inputs, cotangents)
+    )
+
+
+def tied_weighted_sum(
+    sites: tuple[Site, ...],
+    param: Any,
+    inputs: tuple[Any, ...],
+    cotangents: tuple[Any, ...],
+    weights: Any,
+) -> Any:
+    """``sum_i w_i g_i`` of a tied table: every use's weighted sum, added."""
+    return sum(
+        rule_for(s).weighted_sum(s, param, a, d, weights)
+        for s, a, d in zip(sites, inputs, cotangents)
+    )

@@ -5,7 +5,8 @@ A JAX loss is a plain function, so there are no layers to hook. :func:`plan` tra
 one example and finds every parameter array that enters the computation through exactly one
 contraction (``dot_general``: dense layers, attention projections, einsums;
 ``conv_general_dilated``: convolutions; a ``gather`` of whole rows: embedding lookups), possibly
-after layout ops (``transpose``, ``reshape``, a dtype cast): its :class:`Site`.
+after layout ops (``transpose``, ``reshape``, a dtype cast): its :class:`Site`; and each table
+tied across uses that the ghost strategy takes (:func:`is_tied_table`), with all its sites.
 :func:`evaluate` runs the jaxpr with a zero "probe" added to the output of each site and the
 site's other operand (the layer input) kept, so that the gradient with respect to a probe is
 the contraction's output cotangent. :func:`records` does that in one vectorised forward and
@@ -74,11 +75,16 @@ class JaxGhostPlan:
     sites: dict[int, Site] = field(default_factory=dict)
     other: dict[int, str] = field(default_factory=dict)
     jaxpr: Any = None
+    shared: dict[int, tuple[Site, ...]] = field(default_factory=dict)
+
+    def all_sites(self) -> list[Site]:
+        """Every site, of single-use and shared leaves alike."""
+        return [*self.sites.values(), *(s for group in self.shared.values() for s in group)]
 
     @property
     def prefixes(self) -> frozenset[tuple[int, ...]]:
         """Paths of the call equations that hold a site, so evaluation looks inside them."""
-        return frozenset(s.path[:k] for s in self.sites.values() for k in range(1, len(s.path)))
+        return frozenset(s.path[:k] for s in self.all_sites() for k in range(1, len(s.path)))
 
 
 def plan(spec: Spec, call: Call) -> JaxGhostPlan:
@@ -94,16 +100,61 @@ def plan(spec: Spec, call: Call) -> JaxGhostPlan:
     tags = {var: (k, ()) for k, var in enumerate(closed.jaxpr.invars[: len(diff)])}
     _find_uses(closed.jaxpr, tags, (), uses, other)
     sites: dict[int, Site] = {}
+    shared: dict[int, tuple[Site, ...]] = {}
     for k, found in uses.items():
         if k in other:
             continue
         if not found:
             other[k] = "does not enter the loss through a contraction"
-        elif len(found) > 1:
-            other[k] = f"used by {len(found)} contractions (a shared weight)"
-        else:
+        elif len(found) == 1:
             sites[k] = found[0]
-    return JaxGhostPlan(sites, other, closed)
+        elif is_tied_table(found, diff[k]):
+            shared[k] = tuple(found)
+        else:
+            kinds = ", ".join(sorted(site.kind for site in found))
+            other[k] = (
+                f"used by {len(found)} contractions ({kinds}): a shared weight other than a "
+                f"table read by embedding lookups and at most one dense layer"
+            )
+    return JaxGhostPlan(sites, other, closed, shared)
+
+
+def is_tied_table(sites: Sequence[Site], leaf: Any) -> bool:
+    """A table tied across uses that the ghost strategy takes: read by embedding lookups (one
+    or several) and by at most one dense contraction that maps each of its rows to its own
+    output column (a tied output projection, ``h @ table.T``)."""
+    dense = [site for site in sites if site.kind == "dense"]
+    if any(site.kind not in ("embedding", "dense") for site in sites) or len(dense) > 1:
+        return False
+    return not dense or row_axis(dense[0], jnp.shape(leaf), jnp.result_type(leaf)) is not None
+
+
+def row_axis(site: Site, table_shape: tuple[int, ...], dtype: Any) -> int | None:
+    """The output axis of a dense site along which the table's rows (its axis 0) come out, one
+    output column per row, or None if the rows do not map to one free output axis that way
+    (contracted, batched, or behind a layout op that fixes the row count, such as a reshape).
+
+    Found by tracing the site on tables of two other row counts: the one axis whose size
+    follows the row count is the rows' axis, and a dot_general whose output keeps the rows on
+    a free axis computes each output column from its row alone."""
+    example = site.eqn.invars[1 - site.param_operand].aval
+    layer_input = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    shapes = []
+    for rows in (table_shape[0] + 1, table_shape[0] + 2):
+        table = jax.ShapeDtypeStruct((rows, *table_shape[1:]), dtype)
+        try:
+            out = jax.eval_shape(
+                lambda x, w: contract(site, x, apply_chain(site, w)), layer_input, table
+            )
+        except Exception:  # noqa: BLE001 - a layout that fixes the row count
+            return None
+        shapes.append(out.shape)
+    if len(shapes[0]) != len(shapes[1]):
+        return None
+    moved = [axis for axis, (a, b) in enumerate(zip(*shapes)) if a != b]
+    if len(moved) != 1 or shapes[1][moved[0]] - shapes[0][moved[0]] != 1:
+        return None
+    return moved[0]
 
 
 def _find_uses(
@@ -244,6 +295,8 @@ def contract(site: Site, layer_input: Any, operand: Any) -> Any:
 def describe(ghost_plan: JaxGhostPlan, names: Sequence[str]) -> tuple[dict[str, str], dict]:
     """``({leaf name: "dense" | "conv"}, {leaf name: why not})`` for :class:`StrategyChoice`."""
     layers = {names[k]: site.kind for k, site in sorted(ghost_plan.sites.items())}
+    for k, group in sorted(ghost_plan.shared.items()):
+        layers[names[k]] = "tied: " + " + ".join(site.kind for site in group)
     other = {names[k]: why for k, why in sorted(ghost_plan.other.items())}
     return layers, other
 
@@ -258,6 +311,8 @@ class JaxRecords:
       inputs: leaf -> the site's other operand, per example: ``(B, *operand_shape)``.
       cotangents: leaf -> the contraction's output cotangent, per example: ``(B, *out_shape)``.
       grads: leaf -> per-example gradients ``(B, *leaf_shape)`` of the leaves without a site.
+      shared: leaf -> the sites of a tied table (``JaxGhostPlan.shared``), with
+        ``shared_inputs`` and ``shared_cotangents`` in the same order.
     """
 
     values: tuple[Any, ...]
@@ -265,6 +320,9 @@ class JaxRecords:
     inputs: dict[int, Any]
     cotangents: dict[int, Any]
     grads: dict[int, Any]
+    shared: dict[int, tuple[Site, ...]] = field(default_factory=dict)
+    shared_inputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    shared_cotangents: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
 
 def records(call: Call, ghost_plan: JaxGhostPlan) -> JaxRecords:
@@ -276,7 +334,7 @@ def records(call: Call, ghost_plan: JaxGhostPlan) -> JaxRecords:
     site_leaves = sorted(ghost_plan.sites)
     other_leaves = sorted(ghost_plan.other)
     closed = ghost_plan.jaxpr
-    site_paths = {ghost_plan.sites[k].path: ghost_plan.sites[k] for k in site_leaves}
+    site_paths = {site.path: site for site in ghost_plan.all_sites()}
     prefixes = ghost_plan.prefixes
 
     def loss_of_one(other_values: tuple[Any, ...], probes: dict, example: tuple) -> Any:
@@ -307,10 +365,16 @@ def records(call: Call, ghost_plan: JaxGhostPlan) -> JaxRecords:
             f"evaluating the traced loss failed ({type(err).__name__}: {err})"
         ) from err
     sites = {k: ghost_plan.sites[k] for k in site_leaves}
+    shared = ghost_plan.shared
     return JaxRecords(
         values=tuple(diff),
         sites=sites,
         inputs={k: inputs[site.path] for k, site in sites.items()},
         cotangents={k: cotangents[site.path] for k, site in sites.items()},
         grads=dict(zip(other_leaves, other_grads)),
+        shared=dict(shared),
+        shared_inputs={k: tuple(inputs[s.path] for s in group) for k, group in shared.items()},
+        shared_cotangents={
+            k: tuple(cotangents[s.path] for s in group) for k, group in shared.items()
+        },
     )

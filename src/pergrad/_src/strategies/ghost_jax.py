@@ -12,10 +12,13 @@ contraction (its *site*); a leaf with one site is a *ghost parameter*. Then (:fu
 3. the weighted sum ``sum_i w_i g_i`` that a clipped sum needs is the contraction's transpose
    applied once to the whole batch with cotangents ``w_i dz_i``: no second backward pass.
 
-Parameters used any other way (biases, norm scales, a weight shared by two layers such as tied
-embeddings, anything inside ``scan`` / ``cond`` / a ``custom_jvp``) get ordinary per-example
-gradients in the same pass; ``strategy="auto"`` takes the ghost strategy
-only when those stay small (:data:`MAX_MATERIALIZED_NUMBERS`).
+A table tied across uses (read by embedding lookups and by at most one dense contraction, as
+GPT-2's or flax's ``Embed.attend`` output projection) is ghosted too, its squared norm combined
+from its uses' records (``jax_contractions.tied_squared_norms``). Parameters used any other way
+(biases, norm scales, a weight shared by several dense layers, anything inside ``scan`` /
+``cond`` / a ``custom_jvp``) get ordinary per-example gradients in the same pass;
+``strategy="auto"`` takes the ghost strategy only when those stay small
+(:data:`MAX_MATERIALIZED_NUMBERS`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pergrad._src.capture import jax_contractions  # noqa: F401 - registers the rules
-from pergrad._src.capture.jax_engine import JaxGhostPlan, describe, plan, records
+from pergrad._src.capture import jax_contractions  # registers the rules; tied tables
+from pergrad._src.capture.jax_engine import JaxGhostPlan, JaxRecords, describe, plan, records
 from pergrad._src.capture.jax_rules import rule_for
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import PergradValueError
@@ -119,6 +122,8 @@ def ghost(
         squared[k] = rule_for(site).squared_norms(
             site, found.values[k], found.inputs[k], found.cotangents[k]
         )
+    for k, group in found.shared.items():
+        squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
     if weights_from is None:
         return Reduction(squared, None)
     weights = weights_from(squared)
@@ -131,7 +136,13 @@ def ghost(
         sums[k] = rule_for(site).weighted_sum(
             site, found.values[k], found.inputs[k], found.cotangents[k], per_leaf[k]
         )
+    for k, group in found.shared.items():
+        sums[k] = jax_contractions.tied_weighted_sum(group, *_tied_records(found, k), per_leaf[k])
     return Reduction(squared, sums)
+
+
+def _tied_records(found: JaxRecords, k: int) -> tuple[Any, Any, Any]:
+    return found.values[k], found.shared_inputs[k], found.shared_cotangents[k]
 
 
 def layerwise(call: Call, ghost_plan: JaxGhostPlan, reduction: str, args: tuple) -> list:
@@ -141,6 +152,10 @@ def layerwise(call: Call, ghost_plan: JaxGhostPlan, reduction: str, args: tuple)
     results: list[LeafReduction] = []
     for k, value in enumerate(found.values):
         site = found.sites.get(k)
+        if k in found.shared:  # a tied table: its uses' per-example gradients, summed
+            grads = jax_contractions.tied_per_example(found.shared[k], *_tied_records(found, k))
+            results.append(LeafReduction(grads, False))
+            continue
         if site is None:
             results.append(LeafReduction(found.grads[k], False))
             continue
