@@ -182,13 +182,17 @@ def problem(name: str, seed: int = 0):
 
 def flat_norms(grads: dict) -> np.ndarray:
     return (
-        torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1).double().norm(dim=1).numpy()
+        torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1)
+        .double()
+        .norm(dim=1)
+        .cpu()
+        .numpy()
     )
 
 
 def reference_clipped_sum(grads: dict, max_norm: float) -> dict:
     factors = np.minimum(1.0, max_norm / np.maximum(flat_norms(grads), 1e-30))
-    return {k: np.tensordot(factors, g.double().numpy(), axes=1) for k, g in grads.items()}
+    return {k: np.tensordot(factors, g.double().cpu().numpy(), axes=1) for k, g in grads.items()}
 
 
 def assert_close(actual, expected, rtol=RTOL):
@@ -253,8 +257,8 @@ def test_a_dp_step_with_bare_parameters_is_the_loops_clipped_mean():
     stats = optimizer.step(x, y)
     assert stats.strategy == "ghost"
     for key, param in model.named_parameters():
-        step = before[key].numpy() - 0.5 * expected[key] / BATCH
-        np.testing.assert_allclose(param.detach().numpy(), step, rtol=1e-5, atol=1e-6)
+        step = before[key].cpu().numpy() - 0.5 * expected[key] / BATCH
+        np.testing.assert_allclose(param.detach().cpu().numpy(), step, rtol=1e-5, atol=1e-6)
 
 
 def test_a_bare_parameter_read_outside_its_module_is_caught_and_auto_falls_back():

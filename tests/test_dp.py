@@ -177,7 +177,7 @@ def test_dp_optimizer_zero_noise_step_matches_a_manual_step():
     for i in range(12):
         model.zero_grad()
         F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        per_example.append({k: p.grad.numpy().copy() for k, p in model.named_parameters()})
+        per_example.append({k: p.grad.cpu().numpy().copy() for k, p in model.named_parameters()})
     stacked = {k: np.stack([g[k] for g in per_example]) for k in before}
     clipped_sum, _ = numpy_clipped_sum(stacked, 0.5)
     model.zero_grad(set_to_none=True)
@@ -191,8 +191,8 @@ def test_dp_optimizer_zero_noise_step_matches_a_manual_step():
     )
     stats = optimizer.step(x, y)
     for k, p in model.named_parameters():
-        expected = before[k].numpy() - 0.3 * clipped_sum[k] / 10
-        np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-4, atol=1e-6)
+        expected = before[k].cpu().numpy() - 0.3 * clipped_sum[k] / 10
+        np.testing.assert_allclose(p.detach().cpu().numpy(), expected, rtol=1e-4, atol=1e-6)
     assert stats.batch_size == 12 and 0 <= stats.clip_fraction <= 1
     assert stats.strategy == "ghost"  # Linear and Tanh: no B x P per-example gradients
     assert model.training  # the model's mode is untouched

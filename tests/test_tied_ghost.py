@@ -102,12 +102,12 @@ def tokens_with_repeats(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_norms(grads: dict) -> np.ndarray:
     flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], 1).double()
-    return flat.norm(dim=1).numpy()
+    return flat.norm(dim=1).cpu().numpy()
 
 
 def reference_clipped_sum(grads: dict, max_norm: float) -> dict:
     factors = np.minimum(1.0, max_norm / np.maximum(reference_norms(grads), 1e-30))
-    return {k: np.tensordot(factors, g.double().numpy(), axes=1) for k, g in grads.items()}
+    return {k: np.tensordot(factors, g.double().cpu().numpy(), axes=1) for k, g in grads.items()}
 
 
 def assert_close(actual, expected, rtol):
@@ -176,8 +176,8 @@ def test_dp_optimizer_takes_the_ghost_step_of_the_loop():
     assert stats.strategy == "ghost"
     assert model.head.weight is model.emb.weight  # still tied
     for key, param in model.named_parameters():
-        step = before[key].numpy() - 0.5 * expected[key] / BATCH
-        np.testing.assert_allclose(param.detach().numpy(), step, rtol=1e-5, atol=1e-6)
+        step = before[key].cpu().numpy() - 0.5 * expected[key] / BATCH
+        np.testing.assert_allclose(param.detach().cpu().numpy(), step, rtol=1e-5, atol=1e-6)
 
 
 class Skew(nn.Module):
@@ -230,11 +230,11 @@ def test_cancelling_uses_never_let_a_clipped_example_exceed_the_bound(cancel):
     untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
     parts = torch_module_loop_grads(untied, own_logits, [tokens], [tokens, weights])
     terms = parts["emb.weight"].flatten(1).norm(dim=1) + parts["head.weight"].flatten(1).norm(dim=1)
-    terms = terms.numpy()
+    terms = terms.cpu().numpy()
     assert np.all(exact < 30 * cancel * terms)  # the parts really cancel
 
     assert pergrad.norms.choose_strategy(loss, params, *args).strategy == "ghost"
-    norms = pergrad.norms.per_example_norms_of(loss, params, *args).numpy()
+    norms = pergrad.norms.per_example_norms_of(loss, params, *args).cpu().numpy()
     eps = np.finfo(np.float32).eps
     assert np.all(np.abs(norms - exact) <= 1e-5 * exact + 8 * eps * terms), (norms, exact)
 
