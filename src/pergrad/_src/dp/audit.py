@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -304,6 +305,7 @@ def epsilon_lower_bound(
     significance: float = 0.05,
     *,
     guesses: Any = None,
+    method: str = "one-run",
 ) -> float:
     """A lower bound on epsilon from one training run with canaries (Steinke et al. 2023).
 
@@ -336,6 +338,15 @@ def epsilon_lower_bound(
     of epsilon you need enough canaries to lift this above it
     (:func:`epsilon_lower_bound_ceiling`).
 
+    ``method="f-dp"`` audits a stronger claim with more power (Mahloujifar et al. 2024,
+    "Auditing f-Differential Privacy in One Run"): that training is as private as the
+    Gaussian mechanism that is exactly ``(epsilon, delta)``-DP (its whole trade-off curve, not
+    one point of it). DP-SGD's accountants describe a mechanism close to that (a composition of
+    many subsampled Gaussians), which is why the refinement is used for it; for a mechanism of
+    another shape a bound above the claim refutes the Gaussian curve, not ``(epsilon,
+    delta)``. It needs ``delta > 0`` and costs up to ``v`` (right guesses) steps per bisection
+    step: under a second for 1000 canaries.
+
     Args:
       in_scores: 1-D scores of the included canaries (numpy, list, JAX or torch), no nan.
       out_scores: 1-D scores of the excluded canaries.
@@ -344,6 +355,8 @@ def epsilon_lower_bound(
         ``(0, 1)``.
       guesses: None (the default grid), ``(num_in_guesses, num_out_guesses)``, or a list of
         such pairs; each with ``1 <= num_in + num_out <= len(in_scores) + len(out_scores)``.
+      method: ``"one-run"`` (default; Steinke et al., any ``(epsilon, delta)`` mechanism) or
+        ``"f-dp"`` (Gaussian trade-off curve, see above).
 
     Returns:
       the bound, a float ``>= 0`` (0 when the guesses beat no epsilon at this significance).
@@ -353,6 +366,8 @@ def epsilon_lower_bound(
       ImportError: scipy is not installed.
     """
     fn = "epsilon_lower_bound"
+    if method not in ("one-run", "f-dp"):
+        raise PergradValueError(f"{fn}: method must be 'one-run' or 'f-dp'; got {method!r}.")
     in_values = score_array(fn, "in_scores", in_scores)
     out_values = score_array(fn, "out_scores", out_scores)
     delta = _delta(fn, delta)
@@ -364,11 +379,101 @@ def epsilon_lower_bound(
     # Most precise first, so that later pairs are mostly ruled out by the cheap delta-free test.
     counts.sort(key=lambda count: -(count[1] + 1) / (count[0] + 2))
     best = 0.0
+    if method == "f-dp":
+        if delta == 0.0:
+            raise PergradValueError(
+                f"{fn}: method='f-dp' needs delta > 0 (no Gaussian mechanism is "
+                f"(epsilon, 0)-DP); got delta={delta!r}."
+            )
+        for num_guesses, num_correct in counts:
+            best = _largest_gaussian_rejected(
+                num_canaries, num_guesses, num_correct, corrected, delta, at_least=best
+            )
+        return best
     for num_guesses, num_correct in counts:
         best = _largest_rejected_epsilon(
             num_canaries, num_guesses, num_correct, corrected, delta, at_least=best
         )
     return best
+
+
+def gaussian_mu(epsilon: float, delta: float) -> float:
+    """The ``mu`` of the Gaussian mechanism (``mu``-GDP: sensitivity over noise std) that is
+    exactly ``(epsilon, delta)``-DP: the root of Balle & Wang's (2018)
+    ``Phi(-epsilon / mu + mu / 2) - e^epsilon Phi(-epsilon / mu - mu / 2) = delta``, whose left
+    side grows with ``mu``; found by bisection in log space to relative ``1e-12``."""
+    normal = statistics.NormalDist()
+
+    def delta_of(mu: float) -> float:
+        return normal.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * normal.cdf(
+            -epsilon / mu - mu / 2
+        )
+
+    low, high = 1e-3 * delta, 1.0  # delta_of(mu) < mu / 2 for mu -> 0: low is below
+    while delta_of(high) < delta:
+        low, high = high, 2.0 * high
+    while high - low > 1e-12 * high:
+        middle = math.sqrt(low * high) if high / low > 2 else 0.5 * (low + high)
+        low, high = (middle, high) if delta_of(middle) < delta else (low, middle)
+    return high
+
+
+def _gaussian_rejects(
+    mu: float, num_canaries: int, num_guesses: int, num_correct: int, significance: float
+) -> bool:
+    """Whether ``num_correct`` right guesses of ``num_guesses`` refute ``mu``-GDP at
+    ``significance`` (Mahloujifar et al. 2024, the one-run f-DP audit with the trade-off curve
+    ``f(x) = Phi(Phi^-1(1 - x) - mu)``).
+
+    The audit bounds the rates of right (``r``) and wrong (``h``) guesses that a ``mu``-GDP
+    training could reach with probability ``significance``, starting from ``significance``
+    times the observed counts over ``m`` and walking down the right guesses one at a time:
+    each step, ``h`` must be at least the wrong-guess rate the curve forces for ``r``
+    (``Phi(Phi^-1(r) - mu)``), and raising ``h`` raises ``r`` in proportion
+    (``i / (k - i)`` for ``i`` right guesses left of ``k``). If the rates it ends with
+    exceed the guesses made (``r + h > k / m``), observing the counts had probability below
+    ``significance`` under the claim: refuted."""
+    normal = statistics.NormalDist()
+    right = significance * num_correct / num_canaries
+    wrong = significance * (num_guesses - num_correct) / num_canaries
+    for remaining in range(num_correct - 1, -1, -1):
+        if right <= 0.0:
+            forced = 0.0
+        elif right >= 1.0:
+            forced = 1.0
+        else:
+            forced = normal.cdf(normal.inv_cdf(right) - mu)
+        if forced <= wrong:
+            break  # neither rate moves again
+        right = min(right + remaining / (num_guesses - remaining) * (forced - wrong), 1.0)
+        wrong = forced
+    return right + wrong > num_guesses / num_canaries
+
+
+def _largest_gaussian_rejected(
+    num_canaries: int,
+    num_guesses: int,
+    num_correct: int,
+    significance: float,
+    delta: float,
+    at_least: float = 0.0,
+) -> float:
+    """The largest epsilon whose Gaussian claim (``gaussian_mu(epsilon, delta)``-GDP) the counts
+    refute, or ``at_least``; the claim weakens as epsilon grows, so bisection finds it."""
+
+    def rejected(epsilon: float) -> bool:
+        mu = gaussian_mu(epsilon, delta)
+        return _gaussian_rejects(mu, num_canaries, num_guesses, num_correct, significance)
+
+    if num_correct == 0 or not rejected(at_least):
+        return at_least
+    low, high = at_least, max(1.0, 2.0 * at_least)
+    while rejected(high):
+        low, high = high, 2.0 * high
+    while high - low > 1e-6 * max(1.0, low):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if rejected(middle) else (low, middle)
+    return low
 
 
 def epsilon_lower_bound_ceiling(
