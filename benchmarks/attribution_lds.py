@@ -12,11 +12,15 @@ settings change).
 
 Every method scores the full-set model(s) (float32, PyTorch): pergrad's ``grad_dot``,
 ``grad_cosine``, ``influence_function`` (CG, with the L2 penalty as ``regularizer``, the target
-``-margin``), its exact solver for the logistic regression, ``trak`` with 1 and 5 models, and
+``-margin``), its exact solver for the logistic regression, its K-FAC and EK-FAC curvature
+(``nn.Linear`` copies of the models, the L2 penalty folded into the damping), ``trak`` with 1
+and 5 models, and
 ``traker`` (the TRAK authors' package, CPU ``BasicProjector``) with the same models and
 projection dimension. A method's damping is chosen on the even-numbered subsets and its LDS
 reported on the odd-numbered ones. Times are wall seconds for one damping (a grid's extra
-values are not counted), on this machine, side by side in one run.
+values are not counted; for K-FAC / EK-FAC the whole grid, which shares one factorisation, and
+their damping column is added to the L2 penalty), on this machine, side by side in one run.
+``--only K-FAC EK-FAC`` runs a subset of the methods (a partial run: do not commit its table).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import pergrad  # noqa: E402
 from pergrad import influence, per_example_grads  # noqa: E402
 from pergrad.bench.machine import cpu_model, load_average  # noqa: E402
 
@@ -248,6 +253,61 @@ def run_influence(models: list, arrays: tuple, solver: Any) -> tuple[np.ndarray,
     return np.stack(grid), seconds
 
 
+def as_module(p: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The same model as ``nn.Linear`` layers (weights transposed), so that the capture engine
+    records their inputs and output gradients for K-FAC."""
+    if "w" in p:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 10))
+        pairs = [(model[0], "w", "b")]
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 10)
+        )
+        pairs = [(model[0], "w1", "b1"), (model[2], "w2", "b2")]
+    model = model.to(p[pairs[0][1]].dtype)
+    with torch.no_grad():
+        for layer, weight, bias in pairs:
+            layer.weight.copy_(p[weight].T)
+            layer.bias.copy_(p[bias])
+    return model
+
+
+def batch_neg_margin(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``-margin`` of one example given with a batch axis of one, for ``module_loss``."""
+    others = torch.where(torch.arange(10) == y[0], -torch.inf, z[0])
+    return torch.logsumexp(others, 0) - z[0].gather(0, y)[0]
+
+
+def run_kfac(models: list, arrays: tuple, solver: str, draws: int = 0) -> tuple[np.ndarray, float]:
+    """Influence with the K-FAC / EK-FAC curvature: the L2 penalty's Hessian ``L2 I`` joins the
+    damping (the factored curvature takes no regularizer), one factorisation for the grid.
+    ``draws > 0``: the true Fisher, from that many labels per input sampled from the model
+    (``hessian_batch``); else the empirical Fisher of the training labels."""
+    x, y, xt, yt = arrays
+    model = as_module(models[0])
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    target = pergrad.module_loss(model, batch_neg_margin)
+    start = time.perf_counter()
+    hessian_batch = None
+    if draws:
+        with torch.no_grad():
+            probabilities = torch.softmax(model(x), 1)
+        generator = torch.Generator().manual_seed(0)
+        labels = torch.multinomial(probabilities, draws, replacement=True, generator=generator)
+        hessian_batch = (x.repeat(draws, 1), labels.T.reshape(-1))
+    scores = influence.influence_function(
+        loss,
+        loss.params(),
+        (x, y),
+        (xt, yt),
+        damping=[L2 + d for d in IF_GRID],
+        solver=solver,
+        target_fn=target,
+        hessian_batch=hessian_batch,
+    )
+    return scores.numpy(), time.perf_counter() - start
+
+
 def run_trak(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
     x, y, xt, yt = arrays
     start = time.perf_counter()
@@ -328,14 +388,13 @@ def held_out_lds(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> 
     return influence.lds(scores[best], masks[1::2], outputs[1::2]), best
 
 
-def evaluate(kind: str, quick: bool, with_traker: bool) -> list[tuple[str, str, float, float]]:
+def evaluate(
+    kind: str, quick: bool, with_traker: bool, only: list[str] | None = None
+) -> list[tuple[str, str, float, float]]:
     data = load_data(200 if quick else N_TRAIN, 50 if quick else N_TARGET)
     masks, outputs = ground_truth(kind, data, quick)
     ensemble = 2 if quick else ENSEMBLE
-    start = time.perf_counter()
-    full = [train(kind, data[0], data[1], seed=s) for s in range(ensemble)]
-    print(f"  {ensemble} full-set models trained in {time.perf_counter() - start:.0f} s")
-    models = [{k: v.float() for k, v in p.items()} for p in full]
+    models: list[dict[str, torch.Tensor]] = []  # trained below, once the methods are known
     arrays = (
         torch.tensor(data[0], dtype=torch.float32),
         torch.tensor(data[1]),
@@ -353,11 +412,23 @@ def evaluate(kind: str, quick: bool, with_traker: bool) -> list[tuple[str, str, 
         methods["pergrad influence_function (exact)"] = lambda: run_influence(
             models, arrays, "exact"
         )
+    methods["pergrad influence_function (K-FAC)"] = lambda: run_kfac(models, arrays, "kfac")
+    methods["pergrad influence_function (EK-FAC)"] = lambda: run_kfac(models, arrays, "ekfac")
+    methods["pergrad influence_function (EK-FAC, sampled labels)"] = lambda: run_kfac(
+        models, arrays, "ekfac", draws=10
+    )
     methods["pergrad trak, 1 model"] = lambda: run_trak(models[:1], arrays)
     methods[f"pergrad trak, {ensemble} models"] = lambda: run_trak(models, arrays)
     if with_traker:
         methods["traker TRAK, 1 model"] = lambda: run_traker(models[:1], arrays, TRAK_GRID)
         methods[f"traker TRAK, {ensemble} models"] = lambda: run_traker(models, arrays, TRAK_GRID)
+    if only:
+        methods = {n: m for n, m in methods.items() if any(word in n for word in only)}
+    needed = ensemble if any(f"{ensemble} models" in name for name in methods) else 1
+    start = time.perf_counter()
+    full = [train(kind, data[0], data[1], seed=s) for s in range(needed)]
+    print(f"  {needed} full-set model(s) trained in {time.perf_counter() - start:.0f} s")
+    models.extend({k: v.float() for k, v in p.items()} for p in full)
     grids = {"influence": IF_GRID, "trak": TRAK_GRID, "TRAK": TRAK_GRID}
     rows = []
     for name, method in methods.items():
@@ -417,6 +488,11 @@ def main() -> None:
         choices=["logreg", "mlp", "mlp-sgd"],
     )
     parser.add_argument("--no-traker", action="store_true", help="skip the traker peer")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        help="run only the methods whose name contains one of these words (e.g. K-FAC)",
+    )
     parser.add_argument("--out", help="write attribution_lds.md and .png into this directory")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -430,7 +506,7 @@ def main() -> None:
     all_rows = {}
     for kind in args.models:
         print(f"{kind}:")
-        all_rows[kind] = evaluate(kind, args.quick, with_traker)
+        all_rows[kind] = evaluate(kind, args.quick, with_traker, args.only)
     lines = []
     for kind, rows in all_rows.items():
         lines += [

@@ -356,7 +356,7 @@ def test_exact_refuses_a_singular_hessian(fw):
         (
             {"solver": "newton"},
             ValueError,
-            r"solver must be one of \['exact', 'cg', 'lissa'\].*'newton'",
+            r"solver must be one of \['exact', 'cg', 'lissa', 'kfac', 'ekfac'\].*'newton'",
         ),
         ({"solver": 3}, TypeError, "solver must be one of"),
         ({"damping": -1.0}, ValueError, r"damping must be a finite number >= 0 .*got -1.0"),

@@ -23,7 +23,7 @@ To measure how good a method's scores are, retrain on random half-size subsets
 (:func:`lds_subsets`) and compute the linear datamodeling score, :func:`lds`.
 """
 
-from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.ihvp import CG, EKFAC, KFAC, Exact, InfluenceWarning, LiSSA
 from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.projection import project
@@ -46,8 +46,10 @@ from pergrad._src.influence.trak import trak
 
 __all__ = [
     "CG",
+    "EKFAC",
     "Exact",
     "InfluenceWarning",
+    "KFAC",
     "LiSSA",
     "TopK",
     "all_gather_top_k",

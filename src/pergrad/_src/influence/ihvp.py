@@ -15,6 +15,10 @@ Three solvers, each a small frozen dataclass of its options:
   Needs ``H + damping I`` positive definite.
 * :class:`LiSSA`: the stochastic Neumann series of Agarwal et al. (2017), as used by Koh &
   Liang (2017). Needs every eigenvalue of ``H + damping I`` in ``(0, 2 * scale)``.
+
+Two more, :class:`KFAC` and :class:`EKFAC`, replace ``H`` by a layer-wise Kronecker-factored
+curvature built from the capture engine's records; their options live here with the others,
+their algorithm in ``kfac.py``.
 """
 
 from __future__ import annotations
@@ -138,20 +142,87 @@ class LiSSA:
         _require(_is_int(self.seed), "LiSSA", "seed must be an int", self.seed)
 
 
-Solver = Exact | CG | LiSSA
-_BY_NAME: dict[str, Callable[[], Solver]] = {"exact": Exact, "cg": CG, "lissa": LiSSA}
+def _check_dense_limit(owner: str, dense_limit: Any) -> None:
+    ok = _is_int(dense_limit) and dense_limit >= 0
+    _require(ok, owner, "dense_limit must be an int >= 0", dense_limit)
+
+
+@dataclass(frozen=True)
+class KFAC:
+    """Kronecker-factored curvature (K-FAC: Martens & Grosse 2015; convolutions: Grosse &
+    Martens 2016), inverted through two small eigendecompositions per layer.
+
+    Each weight of a dense layer (``nn.Linear``, Hugging Face's ``Conv1D``, a JAX ``x @ W``
+    or ``W @ x``) or convolution (PyTorch ``nn.Conv1d`` / ``nn.Conv2d``, ``groups=1``) gets the
+    block ``A (x) S``, from one pass over the Hessian batch: ``A`` the mean over examples and
+    positions of ``a a^T`` (``a``: the layer's input at a position, a conv patch), ``S`` the
+    mean over examples of ``sum_t g_t g_t^T`` (``g_t``: the gradient of ``fn`` at the layer's
+    output). ``(A (x) S + damping I)^-1`` costs a ``p x p`` and a ``q x q`` eigendecomposition
+    per ``q x p`` weight, shared by every damping of a grid. Every other parameter (biases,
+    norms' scales, embeddings, bare parameters, JAX convolutions) gets a block of its own: the
+    exact one (the mean of ``g g^T`` of its per-example gradients, eigendecomposed) when it has
+    at most ``dense_limit`` numbers, else the diagonal (the mean of ``g^2``). Blocks do not
+    interact: a weight and its bias are two blocks.
+
+    The curvature is the empirical Fisher of the Hessian batch (``g`` from ``fn`` at each
+    example's own labels), see :func:`pergrad.influence.influence_function`.
+
+    Args:
+      dense_limit: the largest parameter (number of entries) that gets an exact block rather
+        than a diagonal when no layer factors it; its block costs ``dense_limit^2`` memory.
+    """
+
+    dense_limit: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_dense_limit("KFAC", self.dense_limit)
+
+
+@dataclass(frozen=True)
+class EKFAC:
+    """Eigenvalue-corrected K-FAC (George et al. 2018), as Kronfluence uses it (Grosse et al.
+    2023): K-FAC's eigenbasis, with each Kronecker eigenvalue replaced by the mean squared
+    per-example gradient in that basis, ``mean_i (Q_S^T G_i Q_A)^2``.
+
+    The corrected eigenvalues are the exact diagonal of the empirical Fisher in K-FAC's
+    eigenbasis, so EK-FAC is never further from it than K-FAC (in Frobenius norm). Cost: one
+    more pass over the Hessian batch than :class:`KFAC`, forming each example's gradient in
+    the rotated basis (``q x p`` per example and layer, ``chunk_size`` examples at a time; for
+    a layer applied at one position, never formed).
+
+    Args:
+      dense_limit: as for :class:`KFAC`.
+    """
+
+    dense_limit: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_dense_limit("EKFAC", self.dense_limit)
+
+
+Solver = Exact | CG | LiSSA | KFAC | EKFAC
+# Solvers that replace the Hessian by a factored curvature (influence/kfac.py), not HVPs.
+CURVATURE_SOLVERS = (KFAC, EKFAC)
+_BY_NAME: dict[str, Callable[[], Solver]] = {
+    "exact": Exact,
+    "cg": CG,
+    "lissa": LiSSA,
+    "kfac": KFAC,
+    "ekfac": EKFAC,
+}
 
 
 def check_solver(func_name: str, solver: Any) -> Solver:
     """``solver`` as a solver object: a name (default options) or an instance."""
-    if isinstance(solver, (Exact, CG, LiSSA)):
+    if isinstance(solver, (Exact, CG, LiSSA, KFAC, EKFAC)):
         return solver
     if isinstance(solver, str) and solver.lower() in _BY_NAME:
         return _BY_NAME[solver.lower()]()
     kind = PergradValueError if isinstance(solver, str) else PergradTypeError
     raise kind(
         f"{func_name}: solver must be one of {list(_BY_NAME)} or an instance of "
-        f"pergrad.influence.Exact / CG / LiSSA (to set its options); got {solver!r}."
+        f"pergrad.influence.Exact / CG / LiSSA / KFAC / EKFAC (to set its options); got "
+        f"{solver!r}."
     )
 
 

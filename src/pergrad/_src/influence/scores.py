@@ -29,13 +29,16 @@ from pergrad._src.core.api import per_example_grads
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.influence.flat_params import FlatParams
 from pergrad._src.influence.ihvp import (
+    CURVATURE_SOLVERS,
     HessianOperator,
+    Solver,
     check_damping,
     check_dampings,
     check_solver,
     solve,
     solve_grid,
 )
+from pergrad._src.influence.kfac import factorize
 from pergrad._src.norms import flat_leaves
 
 # --------------------------------------------------------------------------------------------
@@ -314,20 +317,39 @@ def slice_batch(bk: Backend, batch: tuple[Any, ...], start: int, stop: int) -> t
 # Influence functions.
 
 
-def _hessian_for(
+def _hessian_batch(
+    func_name: str, loss: FlatLoss, train_batch: tuple, n_train: int, hessian_batch: Any
+) -> tuple[tuple, int]:
+    if hessian_batch is None:
+        return train_batch, n_train
+    batch, count = check_batch(func_name, "hessian_batch", loss.backend, hessian_batch)
+    check_same_arity(func_name, train_batch, "train_batch", batch, "hessian_batch")
+    return batch, count
+
+
+def _curvature_inverse(
     func_name: str,
     loss: FlatLoss,
-    train_batch: tuple,
-    n_train: int,
-    hessian_batch: Any,
-    damping: float,
-) -> HessianOperator:
-    if hessian_batch is None:
-        batch, count = train_batch, n_train
-    else:
-        batch, count = check_batch(func_name, "hessian_batch", loss.backend, hessian_batch)
-        check_same_arity(func_name, train_batch, "train_batch", batch, "hessian_batch")
-    return loss.hessian(batch, count, damping)
+    batch: tuple,
+    count: int,
+    rows: Any,
+    solver: Solver,
+    dampings: list[float],
+) -> list[Any]:
+    """``(F + d I)^-1 rows`` for each damping ``d``, ``F`` the K-FAC / EK-FAC curvature over
+    ``batch`` (one factorisation for the grid)."""
+    if loss.regularizer is not None:
+        raise PergradValueError(
+            f"{func_name}: solver={type(solver).__name__} builds its curvature from per-example "
+            f"gradients, so it cannot add a regularizer's Hessian; got regularizer="
+            f"{getattr(loss.regularizer, '__name__', loss.regularizer)!r}. An L2 penalty "
+            f"l2 / 2 * |params|^2 is damping=l2 (add it to your damping); else use solver="
+            f"'cg' or 'exact'."
+        )
+    step = loss.chunk_size or count
+    chunks = [slice_batch(loss.backend, batch, s, s + step) for s in range(0, count, step)]
+    curvature = factorize(func_name, loss.fn, loss.flat, chunks, count, solver)
+    return curvature.solve(func_name, rows, dampings)
 
 
 def influence_function(
@@ -384,7 +406,19 @@ def influence_function(
         the Hessian and its eigendecomposition once for the whole grid.
       solver: ``"exact"`` (default; materialises the ``P x P`` Hessian: small models),
         ``"cg"`` (conjugate gradient) or ``"lissa"``, or an :class:`Exact` / :class:`CG` /
-        :class:`LiSSA` instance to set its options.
+        :class:`LiSSA` instance to set its options. ``"kfac"`` / ``"ekfac"`` (or a
+        :class:`KFAC` / :class:`EKFAC` instance) replace ``H`` by a Kronecker-factored
+        curvature per dense / conv layer, from one (K-FAC) or two (EK-FAC) captured passes
+        over ``hessian_batch``: large models, one factorisation for a whole damping grid. That
+        curvature is the EMPIRICAL Fisher, the mean of ``g g^T`` over ``hessian_batch`` with
+        ``g`` each example's gradient of ``fn`` at its own labels; it is positive
+        semi-definite (no negative curvature) but weights each example by its squared
+        residual, so it is small along directions the model already fits and large along
+        those of badly fit examples, unlike the Gauss-Newton matrix of a likelihood loss. For
+        that one (the true Fisher), pass as ``hessian_batch`` the inputs with labels sampled
+        from the model's predictive distribution, several draws per input. No
+        ``regularizer`` (fold an L2 penalty into ``damping``); in PyTorch, ``fn`` must be a
+        :func:`pergrad.module_loss` for its layers to be factored.
       target_fn: ``target_fn(params, *example) -> scalar`` of one test example, whose gradient
         is scored (a test loss, a margin); default ``fn``. Takes the same arguments as ``fn``.
       regularizer: ``regularizer(params) -> scalar``, the training regulariser; its Hessian is
@@ -405,6 +439,9 @@ def influence_function(
 
     Cost: one inverse-Hessian-vector product per example of the smaller of the two batches
     (``H`` is symmetric, so either side can be solved for), plus per-example gradients of both.
+    With ``"kfac"`` / ``"ekfac"``: one or two forward and backward passes over
+    ``hessian_batch`` (``chunk_size`` examples at a time) and two eigendecompositions per
+    layer (``p^3 + q^3`` for a ``q x p`` weight), then a product with the factors per vector.
     """
     name = "influence_function"
     loss = FlatLoss.create(name, fn, params, chunk_size, regularizer=regularizer)
@@ -416,7 +453,7 @@ def influence_function(
     grid = check_dampings(name, damping)
     dampings = grid if grid is not None else [check_damping(name, damping)]
     solver = check_solver(name, solver)
-    operator = _hessian_for(name, loss, train, n_train, hessian_batch, dampings[0])
+    hessian, n_hessian = _hessian_batch(name, loss, train, n_train, hessian_batch)
     # H is symmetric: solve for the smaller side, then stream the other side's gradients once
     # against the solutions of every damping side by side.
     if n_test <= n_train:
@@ -426,7 +463,11 @@ def influence_function(
         rows = loss.grads(train)
         other, other_batch, other_count = target, test, n_test
     bk = loss.backend
-    solved = solve_grid(name, operator, rows, solver, dampings)
+    if isinstance(solver, CURVATURE_SOLVERS):
+        solved = _curvature_inverse(name, loss, hessian, n_hessian, rows, solver, dampings)
+    else:
+        operator = loss.hessian(hessian, n_hessian, dampings[0])
+        solved = solve_grid(name, operator, rows, solver, dampings)
     scores = other.grads_dot(other_batch, other_count, bk.concatenate(solved, axis=0))
     k = bk.shape(rows)[0]
     pieces = [scores[:, g * k : (g + 1) * k] for g in range(len(dampings))]
@@ -461,9 +502,13 @@ def self_influence(
     train, n_train = check_batch(name, "train_batch", loss.backend, train_batch)
     damping = check_damping(name, damping)
     solver = check_solver(name, solver)
-    operator = _hessian_for(name, loss, train, n_train, hessian_batch, damping)
+    hessian, n_hessian = _hessian_batch(name, loss, train, n_train, hessian_batch)
     grads = loss.grads(train)
-    return (grads * solve(name, operator, grads, solver)).sum(1)
+    if isinstance(solver, CURVATURE_SOLVERS):
+        (solved,) = _curvature_inverse(name, loss, hessian, n_hessian, grads, solver, [damping])
+    else:
+        solved = solve(name, loss.hessian(hessian, n_hessian, damping), grads, solver)
+    return (grads * solved).sum(1)
 
 
 def inverse_hvp(
@@ -500,8 +545,11 @@ def inverse_hvp(
     damping = check_damping(name, damping)
     solver = check_solver(name, solver)
     rows = _vectors_to_rows(name, loss, vectors)
-    operator = loss.hessian(batch, count, damping)
-    return loss.flat.rows_to_tree(solve(name, operator, rows, solver))
+    if isinstance(solver, CURVATURE_SOLVERS):
+        (solved,) = _curvature_inverse(name, loss, batch, count, rows, solver, [damping])
+    else:
+        solved = solve(name, loss.hessian(batch, count, damping), rows, solver)
+    return loss.flat.rows_to_tree(solved)
 
 
 def _vectors_to_rows(func_name: str, loss: FlatLoss, vectors: Any) -> Any:

@@ -1,0 +1,388 @@
+"""K-FAC and EK-FAC curvature: ``(F + damping I)^-1`` through per-layer eigendecompositions.
+
+``F`` is block diagonal, one block per float leaf of the parameters, built from the capture
+engine's records (``capture/rules.py`` plug-ins for PyTorch layers, ``capture/jax_rules.py``
+for JAX contractions) over the Hessian batch, ``chunk_size`` examples per captured pass:
+
+* a dense layer's or convolution's weight, ``G_i = sum_t g_t a_t^T`` per example (``a_t`` the
+  input at position ``t``, ``g_t`` the gradient at the output): the Kronecker block
+  ``A (x) S`` with ``A = mean_i (1/T) sum_t a_t a_t^T`` and ``S = mean_i sum_t g_t g_t^T`` (for
+  ``T = 1`` the K-FAC factors; for ``T > 1`` the "expand" scaling of Eschenhagen et al. 2023,
+  which makes ``A (x) S`` exact when positions are independent). Eigendecompositions
+  ``A = Q_A diag(l_A) Q_A^T`` and ``S = Q_S diag(l_S) Q_S^T`` give the inverse; K-FAC's
+  eigenvalues are ``l_S l_A^T``, EK-FAC's a second pass's ``mean_i (Q_S^T G_i Q_A)^2``,
+  computed per example as ``sum_t (Q_S^T g_t)(Q_A^T a_t)^T``.
+* any other leaf: its per-example gradients' ``mean g g^T`` eigendecomposed (at most
+  ``dense_limit`` entries) or their ``mean g^2`` (a diagonal).
+
+Every eigendecomposition is taken once, in float64 numpy, and serves every damping of a grid.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pergrad._src.backends import Backend, backend_of
+from pergrad._src.core.reductions import layer_reductions_of
+from pergrad._src.errors import PergradValueError, warn_from_caller
+from pergrad._src.influence.flat_params import FlatParams
+from pergrad._src.influence.ihvp import EKFAC, KFAC, as_backend_array
+
+FACTORS = "pergrad.kfac_factors"
+EIGENVALUES = "pergrad.ekfac_eigenvalues"
+
+
+@dataclass
+class KroneckerRecord:
+    """What the plug-ins return for a factored weight, summed over a chunk's examples.
+
+    Attributes:
+      key: identifies the layer across passes (the PyTorch module's id, the JAX site's path).
+      layout: ``"out_in"`` when the weight flattens like ``G`` ``(q, p)``, ``"in_out"`` when
+        like ``G^T`` ``(p, q)``.
+      shape: the weight's shape.
+      first: the factor pass: ``sum_i (1/T) sum_t a_t a_t^T`` ``(p, p)``; the eigenvalue pass:
+        ``sum_i (Q_S^T G_i Q_A)^2`` ``(q, p)``.
+      second: the factor pass: ``sum_i sum_t g_t g_t^T`` ``(q, q)``; else None.
+    """
+
+    key: Any
+    layout: str
+    shape: tuple[int, ...]
+    first: Any
+    second: Any = None
+
+
+def factor_record(key: Any, layout: str, shape: Any, a: Any, g: Any) -> KroneckerRecord:
+    """The factor pass of a layer with inputs ``a`` ``(B, T, p)`` and output gradients ``g``
+    ``(B, T, q)`` (either framework)."""
+    positions = a.shape[1]
+    flat_a, flat_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    return KroneckerRecord(
+        key, layout, tuple(shape), (flat_a.T @ flat_a) / positions, flat_g.T @ flat_g
+    )
+
+
+def eigenvalue_record(
+    key: Any, layout: str, shape: Any, a: Any, g: Any, bases: dict[Any, Any]
+) -> KroneckerRecord:
+    """The eigenvalue pass: ``sum_i (Q_S^T G_i Q_A)^2`` ``(q, p)`` with ``(Q_A, Q_S) =
+    bases[key]`` (numpy), never forming ``G_i`` for a layer applied at one position."""
+    bk = backend_of(a, "EKFAC", "params")
+    q_in, q_out = (as_backend_array(bk, m, a) for m in bases[key])
+    rotated_a, rotated_g = a @ q_in, g @ q_out
+    if a.shape[1] == 1:
+        squared = (rotated_g[:, 0] ** 2).T @ (rotated_a[:, 0] ** 2)
+    else:
+        squared = ((rotated_g.mT @ rotated_a) ** 2).sum(0)
+    return KroneckerRecord(key, layout, tuple(shape), squared)
+
+
+# --------------------------------------------------------------------------------------------
+# The blocks of the factored inverse.
+
+
+@dataclass
+class KroneckerBlock:
+    """``(Q_S (x) Q_A) diag(eigenvalues) (Q_S (x) Q_A)^T`` for a weight's slice of the rows.
+
+    ``left`` and ``right`` are the eigenvectors that act on the weight's rows and columns
+    (``Q_S, Q_A`` for ``"out_in"``, ``Q_A, Q_S`` for ``"in_out"``), ``eigenvalues`` shaped
+    like the weight seen as a matrix."""
+
+    name: str
+    left: np.ndarray
+    right: np.ndarray
+    eigenvalues: np.ndarray
+
+    def solve(self, bk: Backend, rows: Any, dampings: list[float]) -> list[Any]:
+        count = bk.shape(rows)[0]
+        left, right = (as_backend_array(bk, m, rows) for m in (self.left, self.right))
+        matrices = rows.reshape(count, *self.eigenvalues.shape)
+        rotated = left.T @ matrices @ right
+        return [
+            (left @ (rotated / as_backend_array(bk, self.eigenvalues + d, rows)) @ right.T).reshape(
+                count, self.eigenvalues.size
+            )
+            for d in dampings
+        ]
+
+
+@dataclass
+class DenseBlock:
+    """``Q diag(eigenvalues) Q^T``, the exact block of a small leaf no layer factors."""
+
+    name: str
+    vectors: np.ndarray
+    eigenvalues: np.ndarray
+
+    def solve(self, bk: Backend, rows: Any, dampings: list[float]) -> list[Any]:
+        vectors = as_backend_array(bk, self.vectors, rows)
+        rotated = rows @ vectors
+        return [
+            (rotated / as_backend_array(bk, self.eigenvalues + d, rows)) @ vectors.T
+            for d in dampings
+        ]
+
+
+@dataclass
+class DiagonalBlock:
+    """``diag(eigenvalues)``, the mean squared per-example gradient of a large leaf."""
+
+    name: str
+    eigenvalues: np.ndarray
+
+    def solve(self, bk: Backend, rows: Any, dampings: list[float]) -> list[Any]:
+        return [rows / as_backend_array(bk, self.eigenvalues + d, rows) for d in dampings]
+
+
+Block = KroneckerBlock | DenseBlock | DiagonalBlock
+
+
+@dataclass
+class Curvature:
+    """The factored curvature, one block per float leaf in the flat parameters' order."""
+
+    method: str
+    backend: Backend
+    blocks: list[Block]
+    sizes: list[int]
+
+    def solve(self, func_name: str, rows: Any, dampings: list[float]) -> list[Any]:
+        """``(F + d I)^-1 rows`` for each damping ``d``, rows ``(k, P)``."""
+        bk = self.backend
+        for damping in dampings:
+            self._check_invertible(func_name, damping, bk.dtype_name(rows))
+        pieces: list[list[Any]] = [[] for _ in dampings]
+        start = 0
+        for block, size in zip(self.blocks, self.sizes):
+            for piece, solved in zip(
+                pieces, block.solve(bk, rows[:, start : start + size], dampings)
+            ):
+                piece.append(solved)
+            start += size
+        return [p[0] if len(p) == 1 else bk.concatenate(p, axis=1) for p in pieces]
+
+    def _check_invertible(self, func_name: str, damping: float, dtype_name: str) -> None:
+        """Refuse a singular ``F + damping I``: an eigenvalue within the rounding of the
+        largest (``F`` is positive semi-definite, so none is negative beyond rounding)."""
+        largest = max(float(np.abs(b.eigenvalues).max(initial=0.0)) for b in self.blocks)
+        resolution = max(self.sizes) * np.finfo(np.dtype(dtype_name)).eps * largest
+        smallest, where = min(
+            (float(b.eigenvalues.min(initial=np.inf)) + damping, b.name) for b in self.blocks
+        )
+        if smallest > resolution:
+            return
+        suggested = max(1e-3 * largest, 1e-8)
+        raise PergradValueError(
+            f"{func_name}: the {self.method} curvature F + damping*I is singular (smallest "
+            f"eigenvalue {smallest:.3g}, in the block of {where}; largest {largest:.3g}), so "
+            f"its inverse does not exist. Its factors are singular when a layer has more inputs "
+            f"than the Hessian batch has examples (times positions), or units that never "
+            f"activate; pass {'damping > 0' if damping == 0 else 'a larger damping'}, e.g. "
+            f"damping={suggested:.2g}."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Building it.
+
+
+@dataclass
+class _Sums:
+    """Running sums over the chunks of the Hessian batch, per leaf (numpy float64)."""
+
+    records: dict[int, KroneckerRecord] = field(default_factory=dict)
+    dense: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, k: int, value: Any, bk: Backend, dense_limit: int) -> None:
+        if isinstance(value, KroneckerRecord):
+            first = bk.to_numpy(value.first).astype(np.float64)
+            second = None if value.second is None else bk.to_numpy(value.second).astype(np.float64)
+            if k in self.records:
+                old = self.records[k]
+                first = old.first + first
+                second = None if second is None else old.second + second
+            self.records[k] = KroneckerRecord(value.key, value.layout, value.shape, first, second)
+            return
+        count = bk.shape(value)[0]
+        grads = value.reshape(count, -1)
+        size = bk.shape(grads)[1]
+        total = grads.T @ grads if size <= dense_limit else (grads * grads).sum(0)
+        total = bk.to_numpy(total).astype(np.float64)
+        self.dense[k] = self.dense[k] + total if k in self.dense else total
+
+
+def factorize(
+    func_name: str,
+    fn: Callable[..., Any],
+    flat: FlatParams,
+    chunks: Sequence[tuple[Any, ...]],
+    count: int,
+    solver: KFAC | EKFAC,
+) -> Curvature:
+    """The K-FAC / EK-FAC curvature of ``fn`` over ``chunks`` (the Hessian batch, ``count``
+    examples, split into captured passes), at the parameters ``flat``."""
+    _register_plug_ins()
+    params = flat.unravel(flat.vector)
+    names = [flat.paths[i] or "the parameters" for i in flat.positions]
+    sums = _Sums()
+    for chunk in chunks:
+        results = layer_reductions_of(fn, params, *chunk, reduction=FACTORS)
+        _check_leaves(func_name, flat, results, names)
+        for k, result in enumerate(results):
+            sums.add(k, result.value, flat.backend, solver.dense_limit)
+    bases = {
+        record.key: (_eigh(record.first / count), _eigh(record.second / count))
+        for record in sums.records.values()
+    }
+    corrected: dict[int, np.ndarray] = {}
+    if isinstance(solver, EKFAC) and sums.records:
+        arguments = ({key: (a[1], s[1]) for key, (a, s) in bases.items()},)
+        for chunk in chunks:
+            results = layer_reductions_of(
+                fn, params, *chunk, reduction=EIGENVALUES, reduction_args=arguments
+            )
+            for k in sums.records:
+                squared = flat.backend.to_numpy(results[k].value.first).astype(np.float64)
+                corrected[k] = corrected[k] + squared if k in corrected else squared
+    if not sums.records:
+        warn_from_caller(
+            f"{func_name}: {type(solver).__name__} found no layer whose weight it can factor "
+            f"(dense layers and convolutions the capture engine records; in PyTorch a loss made "
+            f"by pergrad.module_loss), so every parameter gets a block of its own: exact up to "
+            f"dense_limit={solver.dense_limit} entries, diagonal beyond."
+        )
+    blocks = []
+    for k, name in enumerate(names):
+        if k in sums.records:
+            record = sums.records[k]
+            (l_in, q_in), (l_out, q_out) = bases[record.key]
+            eigenvalues = corrected[k] / count if k in corrected else np.outer(l_out, l_in)
+            blocks.append(_kronecker_block(name, record.layout, q_in, q_out, eigenvalues))
+        elif sums.dense[k].ndim == 2:
+            eigenvalues, vectors = _eigh(sums.dense[k] / count)
+            blocks.append(DenseBlock(name, vectors, eigenvalues))
+        else:
+            blocks.append(DiagonalBlock(name, sums.dense[k] / count))
+    sizes = [math.prod(shape) for shape in flat.shapes]
+    return Curvature(type(solver).__name__, flat.backend, blocks, sizes)
+
+
+def _kronecker_block(
+    name: str, layout: str, q_in: np.ndarray, q_out: np.ndarray, eigenvalues: np.ndarray
+) -> KroneckerBlock:
+    """``eigenvalues`` ``(q, p)``, in the weight's layout."""
+    if layout == "out_in":
+        return KroneckerBlock(name, q_out, q_in, eigenvalues)
+    return KroneckerBlock(name, q_in, q_out, eigenvalues.T)
+
+
+def _eigh(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (clipped at 0: the factors are positive semi-definite) and eigenvectors of
+    a symmetrised ``matrix``."""
+    eigenvalues, eigenvectors = np.linalg.eigh((matrix + matrix.T) * 0.5)
+    return np.clip(eigenvalues, 0.0, None), eigenvectors
+
+
+def _check_leaves(func_name: str, flat: FlatParams, results: list[Any], names: list[str]) -> None:
+    """The engine's leaves must be the flat parameters' (same order and shapes)."""
+    bk = flat.backend
+    shapes = [
+        r.value.shape if isinstance(r.value, KroneckerRecord) else tuple(bk.shape(r.value)[1:])
+        for r in results
+    ]
+    if [tuple(s) for s in shapes] != [tuple(s) for s in flat.shapes]:
+        raise PergradValueError(
+            f"{func_name}: the capture engine saw parameters of shapes {shapes}, but params' "
+            f"float leaves ({names}) have shapes {list(flat.shapes)}; K-FAC needs fn to "
+            f"differentiate exactly the float leaves of params."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The plug-ins.
+
+_REGISTERED: set[str] = set()
+
+
+def _register_plug_ins() -> None:
+    """Teach the capture engines the two passes, once per framework that is imported."""
+    for framework, register in (("torch", _register_torch), ("jax", _register_jax)):
+        if framework in sys.modules and framework not in _REGISTERED:
+            register()
+            _REGISTERED.add(framework)
+
+
+def _register_torch() -> None:
+    from torch import nn
+
+    from pergrad._src.capture import torch_layers
+    from pergrad._src.capture.rules import register_reduction
+
+    def linear_tokens(layer: Any, calls: list[Any]) -> tuple[Any, Any, str]:
+        if isinstance(layer, nn.Linear):
+            return (*torch_layers.tokens(calls, layer.in_features, layer.out_features), "out_in")
+        width_in, width_out = layer.weight.shape  # Hugging Face's Conv1D: weight (in, out)
+        return (*torch_layers.tokens(calls, width_in, width_out), "in_out")
+
+    def conv_tokens(layer: Any, calls: list[Any]) -> tuple[Any, Any, str] | None:
+        """Patches and output gradients ``(B, L, ...)`` of a Conv1d / Conv2d with one group."""
+        if not isinstance(layer, (nn.Conv1d, nn.Conv2d)) or layer.groups != 1:
+            return None
+        patches, output_grads = torch_layers.conv_tokens(layer, calls)
+        return patches[:, 0], output_grads[:, 0], "out_in"
+
+    def make(found: Callable[..., Any], per_example: Callable[..., Any], record: Callable) -> Any:
+        def reduction(layer: Any, calls: list[Any], *args: Any) -> dict[str, Any]:
+            tokens = found(layer, calls)
+            if tokens is None:  # a layer this family's Kronecker form does not cover
+                return per_example(layer, calls)
+            a, g, layout = tokens
+            result = {"weight": record(id(layer), layout, layer.weight.shape, a, g, *args)}
+            if layer.bias is not None:
+                result["bias"] = g.sum(1)
+            return result
+
+        return reduction
+
+    for name, record in ((FACTORS, factor_record), (EIGENVALUES, eigenvalue_record)):
+        register_reduction(name, "linear")(
+            make(linear_tokens, torch_layers.linear_per_example, record)
+        )
+        register_reduction(name, "hf_conv1d")(
+            make(linear_tokens, torch_layers.hf_conv1d_per_example, record)
+        )
+        register_reduction(name, "conv")(make(conv_tokens, torch_layers.conv_per_example, record))
+
+
+def _register_jax() -> None:
+    from pergrad._src.capture.jax_contractions import dense_factors
+    from pergrad._src.capture.jax_rules import register_reduction, rule_for_kind
+
+    def layout_of(site: Any, param: Any) -> str | None:
+        """A 2-D weight entering ``dot_general`` as it is, contracted on one axis."""
+        if site.chain or param.ndim != 2:
+            return None
+        (lhs_contract, rhs_contract), _ = site.eqn.params["dimension_numbers"]
+        contracted = tuple(rhs_contract if site.param_operand == 1 else lhs_contract)
+        return {(0,): "in_out", (1,): "out_in"}.get(contracted)
+
+    def make(record: Callable[..., Any]) -> Any:
+        def reduction(site: Any, param: Any, inputs: Any, cotangents: Any, *args: Any) -> Any:
+            layout = layout_of(site, param)
+            factors = dense_factors(site, inputs, cotangents)
+            if layout is None or factors is None:
+                return rule_for_kind("dense").per_example(site, param, inputs, cotangents)
+            return record(site.path, layout, param.shape, *factors, *args)
+
+        return reduction
+
+    register_reduction(FACTORS, "dense")(make(factor_record))
+    register_reduction(EIGENVALUES, "dense")(make(eigenvalue_record))
