@@ -12,7 +12,9 @@ about ``+scores[i, j] / n_train``.
 For large models, :func:`project` maps per-example gradients to a small dimension first
 (seeded random projection, the same in both frameworks); :func:`grad_dot` and
 :func:`grad_cosine` take the projected ``(n, k)`` arrays as they are. :func:`top_k` streams over a training set
-given as batches and keeps each test example's top-k proponents and opponents.
+given as batches and keeps each test example's top-k proponents and opponents. For a training
+set that does not fit in memory, :class:`TRAK` streams TRAK features to disk once and scores any
+later targets against them.
 
 A training set split over processes or devices: score each shard with ``top_k(..., offset=)``
 (or :func:`top_k_from_scores` on scores of projected gradients), then :func:`merge_top_k` the
@@ -43,6 +45,7 @@ from pergrad._src.influence.streaming import (
     top_k_from_scores,
 )
 from pergrad._src.influence.trak import trak
+from pergrad._src.influence.trak_store import TRAK
 
 __all__ = [
     "CG",
@@ -51,6 +54,7 @@ __all__ = [
     "InfluenceWarning",
     "KFAC",
     "LiSSA",
+    "TRAK",
     "TopK",
     "all_gather_top_k",
     "grad_cosine",

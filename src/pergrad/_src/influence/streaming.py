@@ -112,7 +112,7 @@ def top_k(
     best = _Running(k, largest=True)
     worst = _Running(k, largest=False)
     seen = 0
-    for batch in _with_progress(train_batches, progress):
+    for batch in with_progress(train_batches, progress, name, "scoring training batches"):
         batch, count = check_batch(name, "each training batch", loss.backend, batch)
         if target_fn is None:
             check_same_arity(name, batch, "a training batch", test, "test_batch")
@@ -345,13 +345,17 @@ def all_gather_top_k(result: TopK, group: Any = None) -> TopK:
     return merge_top_k(gathered)
 
 
-def _with_progress(batches: Iterable[Any], progress: bool | None) -> Iterable[Any]:
+def with_progress(
+    batches: Iterable[Any], progress: bool | None, func_name: str, description: str
+) -> Iterable[Any]:
+    """``batches`` under a tqdm progress bar: always if ``progress`` is True (tqdm must be
+    installed), never if False, and when tqdm is installed if None."""
     if progress is False:
         return batches
     try:
         from tqdm.auto import tqdm
     except ImportError:
         if progress:
-            raise ImportError("top_k(progress=True) needs tqdm: pip install tqdm") from None
+            raise ImportError(f"{func_name}(progress=True) needs tqdm: pip install tqdm") from None
         return batches
-    return tqdm(batches, desc="scoring training batches", unit="batch")
+    return tqdm(batches, desc=description, unit="batch")

@@ -13,12 +13,17 @@ For each model ``m`` of an ensemble (independently trained, or checkpoints of on
 
 The scores are ``mean_m(s_m) * mean_m(Q_m)`` per training example, as ``traker`` computes
 them. Positive: the training example raises the target's output (helps it).
+
+:func:`trak` does it all in memory in one call. The pieces it is made of (:class:`TrakOptions`,
+:class:`ModelFeaturizer`, :func:`eigh_psd` / :func:`solve_eigh`) are shared with
+``trak_store.py``, which streams the training features to disk and scores new targets later.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +39,7 @@ from pergrad._src.influence.scores import FlatLoss, check_batch, check_fn, slice
 MAX_MATRIX_NUMBERS = 2**26
 # Examples whose (n, P) per-example gradients are formed at once, by default: n * P <= this.
 DEFAULT_CHUNK_NUMBERS = 2**25
+PROJECTIONS = ("dense", "factored")
 
 
 def trak(
@@ -98,49 +104,29 @@ def trak(
                                         (X_test, Y_test), weight_fn=weight)
 
     Cost per model: per-example gradients of both sides, ``n x P x k`` for the projection, and
-    a ``min(n_train, k)``-sized symmetric solve (in float64, on the host).
+    a ``min(n_train, k)``-sized symmetric solve (in float64, on the host). For a training set
+    that does not fit in memory, or targets that come later, see :class:`TRAK`.
     """
     name = "trak"
-    if not isinstance(checkpoints, (list, tuple)) or not checkpoints:
-        raise PergradTypeError(
-            f"{name}: checkpoints must be a non-empty list of parameter pytrees (one per model of "
-            f"the ensemble); got {type(checkpoints).__name__}"
-            f"{' of length 0' if isinstance(checkpoints, (list, tuple)) else ''}."
-        )
-    grid = list(damping) if isinstance(damping, (list, tuple)) else [damping]
-    if not grid:
-        raise PergradValueError(f"{name}: damping must be a number or a non-empty list of them.")
-    for value in grid:
-        _check_options(name, proj_dim, value, seed, kind)
-    if projection not in ("dense", "factored"):
-        raise PergradValueError(
-            f"{name}: projection must be 'dense' or 'factored'; got {projection!r}."
-        )
+    check_checkpoints(name, checkpoints)
+    grid = check_dampings(name, damping)
+    options = TrakOptions(proj_dim, seed, kind, projection, factored_dims)
+    options.check(name)
     if weight_fn is not None:
         check_fn(name, weight_fn, "weight_fn")
     total_scores, total_weights = None, None
     for index, params in enumerate(checkpoints):
-        arg_name = f"checkpoints[{index}]"
-        output = FlatLoss.create(name, fn, params, chunk_size, arg_name=arg_name)
-        target = output.target(target_fn)
-        bk = output.backend
-        train, n_train = check_batch(name, "train_batch", bk, train_batch)
-        targets, n_targets = check_batch(name, "target_batch", bk, target_batch)
-        if projection == "factored":
-            options = (factored_dims, proj_dim, seed + index, chunk_size or 256)
-            phi = _factored_features(bk, fn, params, train, n_train, options)
-            phi_target = _factored_features(
-                bk, target_fn or fn, params, targets, n_targets, options
-            )
-        else:
-            matrix = _Projection(bk, output.flat.size, proj_dim, seed + index, kind)
-            phi = _features(output, train, n_train, matrix)
-            phi_target = _features(target, targets, n_targets, matrix)
-        scores = _kernel_scores(bk, phi, phi_target, grid)
-        weights = _weights(output, weight_fn, train, n_train) if weight_fn is not None else None
-        total_scores = scores if total_scores is None else total_scores + scores
-        if weights is not None:
+        model = ModelFeaturizer(name, fn, params, index, options, chunk_size)
+        model.output.target(target_fn)  # validates target_fn before any work
+        train, n_train = check_batch(name, "train_batch", model.backend, train_batch)
+        targets, n_targets = check_batch(name, "target_batch", model.backend, target_batch)
+        phi = model.features(train, n_train)
+        phi_target = model.features(targets, n_targets, target_fn)
+        scores = _kernel_scores(model.backend, phi, phi_target, grid)
+        if weight_fn is not None:
+            weights = model.weights(weight_fn, train, n_train)
             total_weights = weights if total_weights is None else total_weights + weights
+        total_scores = scores if total_scores is None else total_scores + scores
     count = len(checkpoints)
     result = total_scores / count
     if total_weights is not None:
@@ -148,15 +134,138 @@ def trak(
     return result if isinstance(damping, (list, tuple)) else result[0]
 
 
-class _Projection:
-    """The ``(P, k)`` matrix of :func:`project` for one seed, drawn once when it is small."""
+@dataclass(frozen=True)
+class TrakOptions:
+    """How TRAK features are made; the same options give the same features on both
+    frameworks (model ``m`` of an ensemble projects with seed ``seed + m``)."""
 
-    def __init__(self, bk: Any, size: int, k: int, seed: int, kind: str) -> None:
+    proj_dim: int = 2048
+    seed: int = 0
+    kind: str = "rademacher"
+    projection: str = "dense"
+    factored_dims: tuple[int, int] = (16, 16)
+
+    def check(self, name: str) -> None:
+        if not (_is_int(self.proj_dim) and self.proj_dim > 0):
+            raise PergradValueError(
+                f"{name}: proj_dim must be a positive int; got {self.proj_dim!r}."
+            )
+        if not (_is_int(self.seed) and self.seed >= 0):
+            raise PergradValueError(f"{name}: seed must be a non-negative int; got {self.seed!r}.")
+        if self.kind not in KINDS:
+            raise PergradValueError(
+                f"{name}: kind must be one of {list(KINDS)}; got {self.kind!r}."
+            )
+        if self.projection not in PROJECTIONS:
+            raise PergradValueError(
+                f"{name}: projection must be 'dense' or 'factored'; got {self.projection!r}."
+            )
+        dims = self.factored_dims
+        if not (
+            isinstance(dims, (tuple, list))
+            and len(dims) == 2
+            and all(_is_int(d) and d > 0 for d in dims)
+        ):
+            raise PergradValueError(
+                f"{name}: factored_dims must be a pair of positive ints (k_in, k_out); got "
+                f"{dims!r}."
+            )
+
+
+class ModelFeaturizer:
+    """Model ``index`` of an ensemble: its TRAK features and weights ``Q`` for batches.
+
+    The dense projection's ``(P, k)`` matrix is kept between calls when it holds at most
+    ``matrix_budget`` numbers (callers holding several models give each a share of
+    :data:`MAX_MATRIX_NUMBERS`); otherwise it is drawn block by block on each call."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        params: Any,
+        index: int,
+        options: TrakOptions,
+        chunk_size: int | None,
+        matrix_budget: int = MAX_MATRIX_NUMBERS,
+    ) -> None:
+        self.output = FlatLoss.create(
+            name, fn, params, chunk_size, arg_name=f"checkpoints[{index}]"
+        )
+        self.backend = self.output.backend
+        self.fn, self.params, self.options = fn, params, options
+        self.seed = options.seed + index
+        size = self.output.flat.size
+        self.projection = _Projection(
+            self.backend,
+            size,
+            options.proj_dim,
+            self.seed,
+            options.kind,
+            size * options.proj_dim <= matrix_budget,
+        )
+
+    def features(self, batch: tuple, count: int, target_fn: Any = None) -> Any:
+        """``(count, D)`` features of ``target_fn`` (default ``fn``), an array of the
+        parameters' framework; ``D = proj_dim`` for the dense projection."""
+        if self.options.projection == "factored":
+            return self._factored(target_fn or self.fn, batch, count)
+        output = self.output.target(target_fn)
+        step = output.chunk_size or max(1, DEFAULT_CHUNK_NUMBERS // max(output.flat.size, 1))
+        bk = self.backend
+        pieces = [
+            self.projection(output.grads(slice_batch(bk, batch, start, min(start + step, count))))
+            for start in range(0, count, step)
+        ]
+        return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
+
+    def _factored(self, fn: Any, batch: tuple, count: int) -> Any:
+        """:func:`project_factored` features, ``chunk_size`` (default 256) examples at a time."""
+        k_in, k_out = self.options.factored_dims
+        step = self.output.chunk_size or 256
+        pieces = [
+            project_factored(
+                fn,
+                self.params,
+                slice_batch(self.backend, batch, start, min(start + step, count)),
+                k_in=k_in,
+                k_out=k_out,
+                other_dim=self.options.proj_dim,
+                seed=self.seed,
+            )
+            for start in range(0, count, step)
+        ]
+        return pieces[0] if len(pieces) == 1 else self.backend.concatenate(pieces, axis=0)
+
+    def weights(self, weight_fn: Any, batch: tuple, count: int) -> Any:
+        """``(count,)`` ``weight_fn`` of each example at the model's parameters."""
+        bk = self.backend
+        unravel = self.output.flat.unravel
+
+        def one(vector: Any, example: tuple[Any, ...]) -> Any:
+            return weight_fn(unravel(vector), *example)
+
+        values = bk.vmap(one, (None, 0), self.output.chunk_size, None)(
+            self.output.flat.vector, batch
+        )
+        if tuple(bk.shape(values)) != (count,):
+            raise PergradValueError(
+                f"{self.output.func_name}: weight_fn must return a scalar for one example; got "
+                f"shape {tuple(bk.shape(values))[1:]} per example."
+            )
+        return bk.stop_gradient(values)
+
+
+class _Projection:
+    """The ``(P, k)`` matrix of :func:`project` for one seed, drawn once if ``cache``."""
+
+    def __init__(self, bk: Any, size: int, k: int, seed: int, kind: str, cache: bool) -> None:
         self.bk, self.size, self.k, self.seed, self.kind = bk, size, k, seed, kind
+        self.cache = cache
         self.matrix: Any = None
 
     def __call__(self, grads: Any) -> Any:
-        if self.size * self.k <= MAX_MATRIX_NUMBERS:
+        if self.cache:
             if self.matrix is None:
                 rows = matrix_rows(self.seed, self.k, self.kind, 0, self.size)
                 self.matrix = as_backend_array(self.bk, rows, grads)
@@ -171,37 +280,6 @@ class _Projection:
         return result
 
 
-def _features(output: FlatLoss, batch: tuple, count: int, projection: _Projection) -> Any:
-    """``(count, k)`` projected per-example gradients of ``output``'s function, in chunks."""
-    step = output.chunk_size or max(1, DEFAULT_CHUNK_NUMBERS // max(output.flat.size, 1))
-    bk = output.backend
-    pieces = [
-        projection(output.grads(slice_batch(bk, batch, start, min(start + step, count))))
-        for start in range(0, count, step)
-    ]
-    return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
-
-
-def _factored_features(
-    bk: Any, fn: Any, params: Any, batch: tuple, count: int, options: tuple
-) -> Any:
-    """``(count, D)`` :func:`project_factored` features, ``step`` examples at a time."""
-    (k_in, k_out), other_dim, seed, step = options
-    pieces = [
-        project_factored(
-            fn,
-            params,
-            slice_batch(bk, batch, start, min(start + step, count)),
-            k_in=k_in,
-            k_out=k_out,
-            other_dim=other_dim,
-            seed=seed,
-        )
-        for start in range(0, count, step)
-    ]
-    return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
-
-
 def _kernel_scores(bk: Any, phi: Any, phi_target: Any, dampings: list[float]) -> Any:
     """``Phi (Phi^T Phi + d I)^-1 phi_target^T`` for each damping ``d``, ``(len, n, m)``,
     solved in float64 on the smaller side from one eigendecomposition; a pseudo-inverse
@@ -210,15 +288,26 @@ def _kernel_scores(bk: Any, phi: Any, phi_target: Any, dampings: list[float]) ->
     target = bk.to_numpy(phi_target).astype(np.float64)
     n, k = train.shape
     if n <= k:  # (Phi Phi^T + d I)^-1 Phi phi^T: an n x n system
-        solved = _solve_psd(train @ train.T, train @ target.T, dampings)
-    else:
-        solved = train @ _solve_psd(train.T @ train, target.T, dampings)  # (len, n, m)
+        solved = solve_eigh(eigh_psd(train @ train.T), train @ target.T, dampings)
+    else:  # (len, n, m)
+        solved = train @ solve_eigh(eigh_psd(train.T @ train), target.T, dampings)
     return as_backend_array(bk, solved, phi)
 
 
-def _solve_psd(gram: np.ndarray, right: np.ndarray, dampings: list[float]) -> np.ndarray:
+def eigh_psd(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Eigenvalues, eigenvectors and the rounding cutoff of a symmetric PSD matrix (float64)."""
     values, vectors = np.linalg.eigh(gram)
     cutoff = len(values) * np.finfo(np.float32).eps * max(float(np.abs(values).max()), 1e-300)
+    return values, vectors, cutoff
+
+
+def solve_eigh(
+    eigh: tuple[np.ndarray, np.ndarray, float], right: np.ndarray, dampings: list[float]
+) -> np.ndarray:
+    """``(G + d I)^-1 right`` for each damping ``d``, stacked ``(len, *right.shape)``, from
+    :func:`eigh_psd` of ``G``; eigenvalues ``+ d`` below the cutoff count as zero (a
+    pseudo-inverse)."""
+    values, vectors, cutoff = eigh
     projected = vectors.T @ right
     solutions = []
     for damping in dampings:
@@ -228,33 +317,26 @@ def _solve_psd(gram: np.ndarray, right: np.ndarray, dampings: list[float]) -> np
     return np.stack(solutions)
 
 
-def _weights(output: FlatLoss, weight_fn: Any, batch: tuple, count: int) -> Any:
-    """``(n,)`` ``weight_fn`` of each training example at the model's parameters."""
-    bk = output.backend
-    unravel = output.flat.unravel
-
-    def one(vector: Any, example: tuple[Any, ...]) -> Any:
-        return weight_fn(unravel(vector), *example)
-
-    values = bk.vmap(one, (None, 0), output.chunk_size, None)(output.flat.vector, batch)
-    if tuple(bk.shape(values)) != (count,):
-        raise PergradValueError(
-            f"trak: weight_fn must return a scalar for one example; got shape "
-            f"{tuple(bk.shape(values))[1:]} per example."
+def check_checkpoints(name: str, checkpoints: Any) -> None:
+    if not isinstance(checkpoints, (list, tuple)) or not checkpoints:
+        raise PergradTypeError(
+            f"{name}: checkpoints must be a non-empty list of parameter pytrees (one per model of "
+            f"the ensemble); got {type(checkpoints).__name__}"
+            f"{' of length 0' if isinstance(checkpoints, (list, tuple)) else ''}."
         )
-    return bk.stop_gradient(values)
 
 
-def _check_options(name: str, proj_dim: Any, damping: Any, seed: Any, kind: Any) -> None:
-    def is_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
+def check_dampings(name: str, damping: Any) -> list[float]:
+    """``damping`` (a number or a non-empty list of them) as a list of finite numbers >= 0."""
+    grid = list(damping) if isinstance(damping, (list, tuple)) else [damping]
+    if not grid:
+        raise PergradValueError(f"{name}: damping must be a number or a non-empty list of them.")
+    for value in grid:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value >= 0):
+            raise PergradValueError(f"{name}: damping must be a finite number >= 0; got {value!r}.")
+    return [float(value) for value in grid]
 
-    if not (is_int(proj_dim) and proj_dim > 0):
-        raise PergradValueError(f"{name}: proj_dim must be a positive int; got {proj_dim!r}.")
-    ok = isinstance(damping, (int, float)) and not isinstance(damping, bool)
-    if not (ok and math.isfinite(damping) and damping >= 0):
-        raise PergradValueError(f"{name}: damping must be a finite number >= 0; got {damping!r}.")
-    if not (is_int(seed) and seed >= 0):
-        raise PergradValueError(f"{name}: seed must be a non-negative int; got {seed!r}.")
-    if kind not in KINDS:
-        raise PergradValueError(f"{name}: kind must be one of {list(KINDS)}; got {kind!r}.")
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
