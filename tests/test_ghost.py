@@ -336,14 +336,14 @@ def test_other_strategies_match_on_torch_models(strategy):
 
 
 class Attention(nn.Module):
-    """``nn.MultiheadAttention`` (no ghost rule: its projections are packed and used inside
-    ``F.multi_head_attention_forward``) between two Linear layers, with a padding mask (a
-    keyword argument batched by example) and a causal mask (shared, (T, T))."""
+    """``nn.MultiheadAttention`` with ``add_zero_attn`` (which its ghost rule does not cover, so
+    it runs alone as a generic unit) between two Linear layers, with a padding mask (a keyword
+    argument batched by example) and a causal mask (shared, (T, T))."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(5, 6)
-        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True, add_zero_attn=True)
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x, padding):
@@ -489,25 +489,26 @@ class OutsideUse(nn.Module):
         return F.linear(x, self.fc.weight)
 
 
-class SequenceFirst(nn.Module):
-    """A Linear that sees (T, B, d): its axis 0 is not the batch."""
+class BatchOnAxisTwo(nn.Module):
+    """A Linear that sees (1, T, B, d): neither its axis 0 nor its axis 1 (time-first, which a
+    linear rule takes) is the batch."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.fc(x.transpose(0, 1)).mean(0)
+        return self.fc(x.transpose(0, 1).unsqueeze(0)).mean((0, 1))
 
 
 @pytest.mark.parametrize(
     "model, match",
-    [(OutsideUse, "used outside the forward pass"), (SequenceFirst, "batch of 4 on axis 0")],
+    [(OutsideUse, "used outside the forward pass"), (BatchOnAxisTwo, "batch of 4 on axis 0")],
 )
 def test_what_hooks_cannot_see_falls_back_under_auto_and_fails_under_ghost(model, match):
     torch.manual_seed(0)
     loss = pergrad.module_loss(model(), F.cross_entropy)
-    args = (loss.params(), torch.randn(4, 5, 4) if model is SequenceFirst else torch.randn(4, 4))
+    args = (loss.params(), torch.randn(4, 5, 4) if model is BatchOnAxisTwo else torch.randn(4, 4))
     args = (*args, torch.randint(0, 3, (4,)))
     assert choose_strategy(loss, *args).strategy == "ghost"  # only visible while running
     with pytest.warns(pergrad.FallbackWarning, match=match):

@@ -10,20 +10,23 @@ results summed. Every parameter is checked, none may be left out, and the path e
 
 What each model exercises:
 
-- Llama: RMSNorm (Hugging Face's own class, no rule: run alone, a vector per example), rotary
-  position embeddings (no parameters), SwiGLU, no biases, grouped key-value heads, with the
-  input embedding untied and tied to the lm head (embedding x linear cross term).
+- Llama: RMSNorm (Hugging Face's own class, matched by its attributes: the ``hf_rms_norm``
+  rule, checked against the layer's output), rotary position embeddings (no parameters),
+  SwiGLU, no biases, grouped key-value heads, with the input embedding untied and tied to the
+  lm head (embedding x linear cross term).
 - T5: one table used by the encoder's and the decoder's embedding layers and by the lm head
   ((embedding, embedding) and (embedding, linear) cross terms), relative attention bias (an
-  ``nn.Embedding`` looked up with a grid of bucket ids shared by the batch), T5's layer norm.
+  ``nn.Embedding`` looked up with a grid of bucket ids shared by the batch), T5's layer norm
+  (an RMS norm: ``hf_rms_norm``).
   The relative attention bias is a gap of the ghost path (see
   :func:`test_t5_relative_attention_bias_stays_ghost`): its lookup has no batch axis, so its
   per-example gradients cannot be read at the layer, and the step falls back to the chunked
   strategy (same result). With the bias frozen, T5 takes the ghost path.
 - ViT: the patch convolution, and the class token and position embeddings as bare parameters.
 - ``nn.TransformerEncoder``: ``nn.MultiheadAttention`` uses its weights through
-  ``F.multi_head_attention_forward``, never through an ``nn.Linear``, so its four parameters
-  are run alone while the feed-forward layers and the norms stay ghost.
+  ``F.multi_head_attention_forward``, never through an ``nn.Linear``; its rule recomputes the
+  attention from its recorded call (``capture/torch_attention.py``, tested in depth in
+  ``test_attention_rule.py``).
 """
 
 from __future__ import annotations
@@ -175,13 +178,13 @@ def encoder():
 
 def llama_paths(name: str) -> str:
     if name.endswith("layernorm.weight") or name == "model.norm.weight":
-        return "generic"  # LlamaRMSNorm: Hugging Face's class, not nn.RMSNorm
+        return "hf_rms_norm"  # LlamaRMSNorm: Hugging Face's class, not nn.RMSNorm
     return "embedding" if "embed_tokens" in name else "linear"
 
 
 def t5_paths(name: str) -> str:
     if "layer_norm" in name:
-        return "generic"  # T5LayerNorm: an RMS norm of Hugging Face's own
+        return "hf_rms_norm"  # T5LayerNorm: an RMS norm of Hugging Face's own
     if name == "shared.weight" or "relative_attention_bias" in name:
         return "embedding"
     return "linear"
@@ -197,7 +200,7 @@ def vit_paths(name: str) -> str:
 
 def encoder_paths(name: str) -> str:
     if ".self_attn." in name:
-        return "generic"  # used through F.multi_head_attention_forward
+        return "multihead_attention"  # used through F.multi_head_attention_forward
     return "layer_norm" if ".norm" in name else "linear"
 
 
@@ -437,15 +440,6 @@ def lm_loss_of_logits(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: nn.MultiheadAttention has no ghost rule (its weights are used through "
-    "F.multi_head_attention_forward, the in-projection's output gradients never reach a hook), "
-    "so its 4 E^2 + 4 E parameters are run alone and formed per example; at width 256, 4 "
-    "layers, batch 32 that is more than torch_generic.MAX_MATERIALIZED_NUMBERS and 'auto' "
-    "takes the chunked strategy for the whole model. Needs an attention rule that recomputes "
-    "the in- and out-projections' output gradients from the captured call.",
-)
 def test_multihead_attention_keeps_a_realistic_encoder_ghost():
     width, batch = 256, 32
     layer = nn.TransformerEncoderLayer(
@@ -456,3 +450,58 @@ def test_multihead_attention_keeps_a_realistic_encoder_ghost():
     loss = pergrad.module_loss(model, lambda output, target: ((output - target) ** 2).sum())
     choice = pergrad.norms.choose_strategy(loss, loss.params(), x, x)  # runs nothing
     assert choice.strategy == "ghost", choice.reason
+
+
+class RMSNormLike(nn.Module):
+    """The attributes of a Hugging Face RMS norm (``weight``, ``variance_epsilon``), computing
+    Gemma's ``(1 + weight) * x_hat`` (``offset``: the same weight gradient) or, ``centred``, a
+    layer norm without bias (not an RMS norm: the rule must refuse it)."""
+
+    def __init__(self, offset: bool, centred: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.variance_epsilon = 1e-6
+        self.offset, self.centred = offset, centred
+
+    def forward(self, x):
+        x32 = x.float()
+        if self.centred:
+            x32 = x32 - x32.mean(-1, keepdim=True)
+        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1 + self.weight if self.offset else self.weight) * x_hat.to(x.dtype)
+
+
+class NormBetweenLinears(nn.Module):
+    def __init__(self, offset: bool, centred: bool):
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.norm = RMSNormLike(offset, centred)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x)).mean(1))
+
+
+@pytest.mark.parametrize(
+    "offset, centred", [(True, False), (False, True)], ids=["gemma", "centred"]
+)
+def test_rms_norm_rule_checks_the_formula(offset, centred):
+    """Matched by its attributes, the layer is checked on each call: an RMS norm keeps the rule,
+    anything else is refused at run time (auto: the chunked strategy), never reduced wrongly."""
+    torch.manual_seed(9)
+    model = NormBetweenLinears(offset, centred).eval()
+    x = torch.randn(B, T, WIDTH, generator=torch.Generator().manual_seed(10))
+    labels = torch.randint(0, CLASSES, (B,))
+    loss = pergrad.module_loss(model, classification_loss)
+    choice = pergrad.norms.choose_strategy(loss, loss.params(), x, labels)  # runs nothing
+    assert choice.layers["norm"] == "hf_rms_norm"
+    want = torch_module_loop_grads(model, classification_loss, [x], [labels])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), x, labels)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, pergrad.FallbackWarning)]
+    if centred:
+        assert any("does not compute weight * x" in message for message in fallbacks), fallbacks
+    else:
+        assert not fallbacks, fallbacks
+    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)

@@ -134,7 +134,8 @@ class TimeFirstLayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """``nn.MultiheadAttention`` (no ghost rule: it runs alone), batch-first or time-first."""
+    """``nn.MultiheadAttention`` (its ghost rule reads the layout from ``batch_first``),
+    batch-first or time-first."""
 
     def __init__(self, batch_first: bool):
         super().__init__()
@@ -416,13 +417,16 @@ def test_issue_15_c_clipped_sums_of_a_time_first_lstm_fall_back_to_a_loop():
 
 
 def test_a_layout_is_checked_again_at_a_new_batch_size():
-    """The check is per layout, batch size included: a model first seen with T != B (ghost
-    refused by shape) and then with T == B is checked, not waved through."""
+    """The check is per layout, batch size included: a model first seen with T != B (ghost,
+    the time-first layer's batch found on its axis 1) and then with T == B (axis 0 has the
+    batch size) is checked, not waved through."""
     torch.manual_seed(0)
     model = TimeFirstLinear().double()
-    loss, wide, _ = reproduction(model, torch.randn(4, 2, WIDTH, dtype=torch.float64))
-    with pytest.warns(pergrad.FallbackWarning):
-        pergrad.norms.per_example_norms_of(loss, loss.params(), *wide)
+    loss, wide, wide_reference = reproduction(model, torch.randn(4, 2, WIDTH, dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pergrad.FallbackWarning)
+        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), *wide)
+    assert_close(norms, flat(wide_reference).norm(dim=1))
     _, square, reference = reproduction(model, wide[0][:2])
     with pytest.warns(pergrad.FallbackWarning, match="other examples"):
         norms = pergrad.norms.per_example_norms_of(loss, loss.params(), *square)

@@ -11,12 +11,13 @@ from typing import Any
 
 from pergrad import dp, influence, norms, outliers, testing
 from pergrad._src.core.api import per_example_grads, value_and_per_example_grads
-from pergrad._src.errors import FallbackWarning
+from pergrad._src.errors import FallbackWarning, NonFiniteWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FallbackWarning",
+    "NonFiniteWarning",
     "dp",
     "influence",
     "module_loss",

@@ -23,6 +23,11 @@ class FallbackWarning(UserWarning):
     """The framework could not vectorise ``fn`` and pergrad took a slower, correct strategy."""
 
 
+class NonFiniteWarning(UserWarning):
+    """Some example's gradient was not finite (inf or nan): it was zeroed, so it contributed
+    nothing to the step, and counted (``DPStep.nonfinite``, ``ClippedSum.nonfinite``)."""
+
+
 def is_pergrad_error(err: BaseException) -> bool:
     return isinstance(err, (PergradValueError, PergradTypeError))
 

@@ -156,6 +156,14 @@ class Backend(Protocol):
     def stop_gradient(self, x: Any) -> Any:
         """``x`` cut from any autodiff graph it belongs to (torch: ``detach``)."""
 
+    def isfinite(self, x: Any) -> Any:
+        """Booleans shaped like ``x``: True where an entry is neither inf nor nan."""
+
+    def where(self, condition: Any, x: Any, y: Any) -> Any:
+        """``x`` where ``condition`` holds, else ``y`` (an array or a Python number), broadcast
+        together; unlike ``condition * x``, a nan or inf of ``x`` outside ``condition`` does not
+        reach the result."""
+
 
 def available_backend_names() -> tuple[str, ...]:
     return tuple(_BACKEND_MODULES)

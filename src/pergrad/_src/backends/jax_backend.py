@@ -192,6 +192,12 @@ class JaxBackend:
     def stop_gradient(self, x: Any) -> Any:
         return jax.lax.stop_gradient(x)
 
+    def isfinite(self, x: Any) -> Any:
+        return jnp.isfinite(x)
+
+    def where(self, condition: Any, x: Any, y: Any) -> Any:
+        return jnp.where(condition, x, y)
+
 
 def _varying_axes(x: Any) -> frozenset[str]:
     """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""

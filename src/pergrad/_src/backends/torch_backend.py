@@ -227,6 +227,12 @@ class TorchBackend:
     def stop_gradient(self, x: Any) -> Any:
         return x.detach()
 
+    def isfinite(self, x: Any) -> Any:
+        return torch.isfinite(x)
+
+    def where(self, condition: Any, x: Any, y: Any) -> Any:
+        return torch.where(condition, x, y)
+
 
 _LEAF = pytree.tree_structure(torch.empty(0))
 

@@ -19,6 +19,14 @@ and autocast would run the rules' own matrix products in the low dtype too, roun
 factors by ``2**-9`` (so a clipped example could exceed its bound). The results come back in
 the parameter's dtype (squared norms of a float16 parameter in float32, which holds them; a
 float64 computation, the tied-weight path's, stays float64).
+
+Beyond its functions, a rule may tell the engine how to record a call (``record``: a layer
+called with keyword arguments, returning a tuple, or time-first, such as
+``nn.MultiheadAttention``), which leading axes may hold the batch (``batch_axes``: a linear
+layer in a time-first transformer sees ``(T, B, D)``), and which parameters of its submodules
+it reduces (``nested``: the attention's ``out_proj``, never called as a module). A family
+whose classes are many and not importable here (Hugging Face's RMS norms, one per model) is
+registered with a ``matches`` predicate instead of types.
 """
 
 from __future__ import annotations
@@ -40,6 +48,35 @@ ProblemFn = Callable[[Any], "str | None"]
 WeightedSumFn = Callable[[Any, list[Any], Any], dict[str, Any]]
 # A plug-in reduction: (layer, calls, *its own arguments) -> {param_name: per-example values}.
 ReductionFn = Callable[..., dict[str, Any]]
+# How one call is recorded: (layer, positional args, keyword args, output) -> Recorded, or None
+# to record it as a plain layer (see Recorded). Raises GhostUnsupported to refuse the call.
+RecordFn = Callable[[Any, tuple, dict, Any], "Recorded | None"]
+# Whether a layer (of a type no rule is registered for) belongs to a family: (layer) -> bool.
+MatchFn = Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the capture engine keeps of one call of a layer whose rule has a ``record``.
+
+    A plain layer's call is recorded as its positional inputs and its (tensor) output, the batch
+    on axis 0 of both (or on one of its rule's ``batch_axes``); a rule's ``record`` says instead:
+
+    Attributes:
+      inputs: the ``LayerCall.inputs`` its functions will get (tensors batch first, and whatever
+        else they need: masks, flags, the parameter values the forward pass used).
+      output: the tensor whose gradient is the call's ``output_grad``.
+      batch_axis: the axis of ``output`` that holds the batch: its gradient is recorded with
+        that axis moved to the front.
+      unread: other outputs the rule does not read (attention weights): a gradient reaching one
+        of them (the loss uses it) refuses the call.
+    """
+
+    inputs: tuple[Any, ...]
+    output: Any
+    batch_axis: int = 0
+    unread: tuple[Any, ...] = ()
+
 
 BUILT_IN = ("squared_norms", "per_example", "weighted_sum")
 
@@ -61,6 +98,13 @@ class LayerRule:
         without forming the per-example gradients, for clipped sums; None: the ``per_example``
         gradients are contracted with the weights (fine where they are as small as an
         activation).
+      record: how the engine records a call (see :class:`Recorded`); None: a plain layer.
+      batch_axes: the leading axes of a plain layer's input and output that may hold the batch,
+        the first of them with the batch size being taken (moved to the front). ``(0, 1)`` for
+        families that treat every leading axis alike (a linear layer in a time-first
+        transformer); the first run of each layout checks the choice (``torch_checks.py``).
+      nested: parameters of submodules that the rule reduces, named relative to the layer
+        (``("out_proj.weight", "out_proj.bias")``): the submodule is never called as a module.
       plugins: reductions added with :func:`register_reduction`, by name.
     """
 
@@ -69,6 +113,9 @@ class LayerRule:
     problem: ProblemFn
     per_example: PerExampleFn
     weighted_sum: WeightedSumFn | None = None
+    record: RecordFn | None = None
+    batch_axes: tuple[int, ...] = (0,)
+    nested: tuple[str, ...] = ()
     plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
 
     def reduction(self, name: str) -> ReductionFn | None:
@@ -81,6 +128,8 @@ class LayerRule:
 # Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
 # import (Hugging Face's Conv1D): importing transformers to register a rule would cost seconds.
 _RULES: dict[type | str, LayerRule] = {}
+# Families found by a predicate, tried in order when no type matches.
+_MATCHERS: list[tuple[MatchFn, LayerRule]] = []
 
 
 def _no_problem(layer: Any) -> None:
@@ -93,14 +142,21 @@ def register(
     per_example: PerExampleFn,
     problem: ProblemFn = _no_problem,
     weighted_sum: WeightedSumFn | None = None,
+    record: RecordFn | None = None,
+    batch_axes: tuple[int, ...] = (0,),
+    nested: tuple[str, ...] = (),
+    matches: MatchFn | None = None,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
     A type is a class, or the ``"module.QualName"`` of one. Types are matched exactly, not by
     subclass: a subclass may override ``forward`` and compute something the rule does not know.
-    A rule written without ``weighted_sum`` gets one that contracts its ``per_example``
-    gradients with the weights (fine where those are as small as an activation). All three
-    run through :func:`in_reduction_precision`.
+    ``matches(layer) -> bool`` registers a family by a predicate instead (tried after the
+    types), for classes pergrad cannot list; its ``record`` must then check that the layer
+    computes what the rule assumes. A rule written without ``weighted_sum`` gets one that
+    contracts its ``per_example`` gradients with the weights (fine where those are as small as
+    an activation). All three run through :func:`in_reduction_precision`. ``record``,
+    ``batch_axes`` and ``nested``: see :class:`LayerRule`.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
@@ -111,9 +167,14 @@ def register(
             problem,
             _in_precision(per_example),
             _in_precision(summed),
+            record,
+            batch_axes,
+            nested,
         )
         for layer_type in layer_types:
             _RULES[layer_type] = rule
+        if matches is not None:
+            _MATCHERS.append((matches, rule))
         return squared_norms
 
     return decorate
@@ -165,14 +226,13 @@ def _in_precision(fn: Callable[..., dict[str, Any]], squared: bool = False) -> A
     @functools.wraps(fn)
     def run(layer: Any, calls: list[Any], *args: Any) -> dict[str, Any]:
         widened = [
-            type(call)(tuple(_widen(x) for x in call.inputs), _widen(call.output_grad))
-            for call in calls
+            type(call)(_widened_inputs(call.inputs), _widen(call.output_grad)) for call in calls
         ]
         with in_reduction_precision(calls[0].output_grad.device):
             values = fn(layer, widened, *(_widen(a) for a in args))
         result = {}
         for key, value in values.items():
-            param = getattr(layer, key, None)
+            param = _parameter(layer, key)
             dtype = param.dtype if isinstance(param, torch.Tensor) else value.dtype
             if value.dtype == torch.float64 or (squared and dtype == torch.float16):
                 dtype = value.dtype  # float64 asked for; float16 cannot hold squared norms
@@ -182,11 +242,64 @@ def _in_precision(fn: Callable[..., dict[str, Any]], squared: bool = False) -> A
     return run
 
 
+def _widened_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each input widened once: an input passed twice (self-attention's query, key and value)
+    stays one tensor, which a rule may use (one Gram matrix for the three)."""
+    done: dict[int, Any] = {}
+    for x in inputs:
+        if id(x) not in done:
+            done[id(x)] = _widen(x)
+    return tuple(done[id(x)] for x in inputs)
+
+
+def _parameter(layer: Any, key: str) -> Any:
+    """The layer's parameter ``key`` (``"out_proj.weight"`` for a nested one), or None."""
+    owner, _, attribute = key.rpartition(".")
+    for part in owner.split(".") if owner else ():
+        layer = getattr(layer, part, None)
+    return getattr(layer, attribute, None)
+
+
 def rule_for(layer: Any) -> LayerRule | None:
-    """The rule registered for ``type(layer)``, or None."""
+    """The rule registered for ``type(layer)``, or the first family whose predicate matches
+    the layer, or None."""
     cls = type(layer)
     rule = _RULES.get(cls)
-    return rule if rule is not None else _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+    if rule is None:
+        rule = _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+    if rule is None:
+        rule = next((rule for matches, rule in _MATCHERS if matches(layer)), None)
+    return rule
+
+
+def layer_parameters(layer: Any) -> list[tuple[str, Any]]:
+    """``(name relative to the layer, parameter)`` of each parameter its rule reduces: the
+    layer's own and those of its rule's ``nested`` submodules."""
+    own = list(layer.named_parameters(recurse=False))
+    rule = rule_for(layer)
+    for name in rule.nested if rule is not None else ():
+        param = _parameter(layer, name)
+        if param is not None:
+            own.append((name, param))
+    return own
+
+
+def parameter_owners(model: Any) -> dict[str, tuple[str, str]]:
+    """Every name of a parameter of ``model`` (duplicates included) -> ``(the layer that
+    reduces it, its name relative to that layer)``: the module holding it, or an ancestor
+    whose rule lists it in ``nested`` (``"attn.out_proj.weight" -> ("attn",
+    "out_proj.weight")``)."""
+    owners = {}
+    for full, _ in model.named_parameters(remove_duplicate=False):
+        module_name, _, attribute = full.rpartition(".")
+        owners[full] = (module_name, attribute)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        rule = rule_for(module)
+        for name in rule.nested if rule is not None else ():
+            full = f"{module_name}.{name}" if module_name else name
+            if full in owners:
+                owners[full] = (module_name, name)
+    return owners
 
 
 def register_reduction(reduction: str, family: str) -> Callable[[ReductionFn], ReductionFn]:
@@ -200,9 +313,10 @@ def register_reduction(reduction: str, family: str) -> Callable[[ReductionFn], R
             f"register_reduction: {reduction!r} is a built-in reduction of every family "
             f"({', '.join(BUILT_IN)}); give the plug-in a name of its own."
         )
-    rules = {id(rule): rule for rule in _RULES.values() if rule.name == family}
+    every = [*_RULES.values(), *(rule for _, rule in _MATCHERS)]
+    rules = {id(rule): rule for rule in every if rule.name == family}
     if not rules:
-        known = sorted({rule.name for rule in _RULES.values()})
+        known = sorted({rule.name for rule in every})
         raise ValueError(f"register_reduction: no layer family {family!r}; known: {known}.")
 
     def decorate(fn: ReductionFn) -> ReductionFn:

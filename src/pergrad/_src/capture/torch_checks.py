@@ -143,7 +143,13 @@ def _check_record(
 
 def rows_match(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether ``(B, n)`` rows agree, each within the dtype's tolerance of its norm (plus a
-    share of the largest row's, for rows that cancel to rounding noise)."""
+    share of the largest row's, for rows that cancel to rounding noise). Entries that are not
+    finite (an example with a nan input, which a clipped sum zeroes) must be so in both: they
+    are compared by where they are, the others by value."""
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return False
+    got, want = torch.where(finite, got, 0.0), torch.where(finite, want, 0.0)
     relative, absolute = _ROW_TOLERANCE.get(checked_dtype(want), _LOW_PRECISION_TOLERANCE)
     error = torch.linalg.vector_norm((got - want).double(), dim=1)
     size = torch.linalg.vector_norm(want.double(), dim=1)

@@ -1,15 +1,17 @@
 """The PyTorch capture engine: one batched pass with each parameterised layer's calls recorded.
 
 For a :func:`pergrad.module_loss` model, :func:`capturing` puts a forward hook on each layer
-owning a differentiated parameter: it keeps the layer's positional inputs and puts a tensor
-hook on its output, which records the output's gradient in the backward pass (a tensor hook,
-not ``autograd.grad`` with respect to the output, because it sees the gradient of the value
-the layer produced even when a later in-place op rewrites it). :func:`per_example_losses`
+owning a differentiated parameter: it keeps the layer's positional inputs (or what its rule's
+``record`` asks for: keyword arguments, the parameter values) and puts a tensor hook on its
+output, which records the output's gradient in the backward pass (a tensor hook, not
+``autograd.grad`` with respect to the output, because it sees the gradient of the value the
+layer produced even when a later in-place op rewrites it). :func:`per_example_losses`
 gives each example's loss from the batched output, as ``module_loss`` defines it, and
 :func:`layer_calls` turns a layer's records into the ``LayerCall`` s its rule reduces.
 
-The engine takes a layer whose input and output have the batch size on axis 0; that is a
-filter, not a proof (``T == B``): ``torch_checks.py`` establishes the batch axis on the first
+The engine takes a layer whose input and output have the batch size on axis 0 (or on another
+axis its rule allows: a time-first linear layer's input ``(T, B, D)``, moved to the front);
+that is a filter, not a proof (``T == B``): ``torch_checks.py`` establishes the batch axis on the first
 call of each layout. Module hooks are removed on the way out; tensor hooks live on the call's
 own tensors.
 """
@@ -26,6 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from pergrad._src.capture import torch_attention  # noqa: F401  (registers its rule)
+from pergrad._src.capture.rules import Recorded, rule_for
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
@@ -61,48 +65,62 @@ def model_and_loss_arguments(
 
 @dataclass
 class LayerRecord:
+    """One call of a hooked layer: what its rule reads (``Recorded.inputs``), their versions
+    when it read them, its output gradient (batch first), and whether a gradient reached an
+    output the rule does not read."""
+
     inputs: tuple[Any, ...]
     input_versions: tuple[int, ...]
     output_grad: torch.Tensor | None = None
+    unread_grad: bool = False
 
 
 @contextmanager
 def capturing(
     modules: dict[str, nn.Module], batch_size: int
 ) -> Iterator[dict[str, list[LayerRecord]]]:
-    """Forward hooks that record each call of ``modules`` (by name); removed on the way out."""
+    """Forward hooks that record each call of ``modules`` (by name); removed on the way out.
+
+    A layer is recorded as its rule's ``record`` says (``rules.Recorded``), or, by default, as
+    its positional inputs and its output, the batch on the first of the rule's ``batch_axes``
+    that has the batch size in both (moved to the front)."""
     records: dict[str, list[LayerRecord]] = {name: [] for name in modules}
 
-    def hook(name: str, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
-        first = inputs[0] if inputs else None
+    def hook(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict, output: Any) -> Any:
+        rule = rule_for(module)
+        recorded = (
+            None
+            if rule is None or rule.record is None
+            else rule.record(module, args, kwargs, output)
+        )
         expanded = None
-        if _broadcast_lookup(module, first, output, batch_size):
-            # Position embeddings: one (1, T) row of indices shared by the batch, its output
-            # broadcast against the (B, T, D) token embeddings. Expanding it to B rows changes
-            # no value and gives each example its own output gradient.
-            first = first.expand(batch_size, *first.shape[1:])
-            inputs = (first, *inputs[1:])
-            output = expanded = output.expand(batch_size, *output.shape[1:])
-        if not (
-            isinstance(first, torch.Tensor)
-            and isinstance(output, torch.Tensor)
-            and first.dim() > 0
-            and first.shape[0] == batch_size
-            and output.dim() > 0
-            and output.shape[0] == batch_size
+        if recorded is None:
+            axes = (0,) if rule is None else rule.batch_axes
+            recorded, expanded = _plain_call(name, module, args, output, batch_size, axes)
+        elif not (
+            recorded.inputs
+            and _holds_batch(recorded.inputs[0], 0, batch_size)
+            and _holds_batch(recorded.output, recorded.batch_axis, batch_size)
         ):
             raise GhostUnsupported(
                 f"layer {name!r} ({type(module).__name__}) did not get the batch of "
-                f"{batch_size} on axis 0 of a positional input and of its output"
+                f"{batch_size} on the axes its rule expects"
             )
+        inputs = recorded.inputs
         record = LayerRecord(inputs, tuple(getattr(x, "_version", 0) for x in inputs))
         records[name].append(record)
-        if output.requires_grad:
-            output.register_hook(lambda grad: setattr(record, "output_grad", grad))
+        if recorded.output.requires_grad:
+            axis = recorded.batch_axis
+            recorded.output.register_hook(
+                lambda grad: setattr(record, "output_grad", grad.movedim(axis, 0))
+            )
+        for other in recorded.unread:
+            if isinstance(other, torch.Tensor) and other.requires_grad:
+                other.register_hook(lambda grad: setattr(record, "unread_grad", True))
         return expanded
 
     handles = [
-        module.register_forward_hook(functools.partial(hook, name))
+        module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
         for name, module in modules.items()
     ]
     try:
@@ -110,6 +128,48 @@ def capturing(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _plain_call(
+    name: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    output: Any,
+    batch_size: int,
+    batch_axes: tuple[int, ...],
+) -> tuple[Recorded, Any]:
+    """A layer's positional inputs and output, the batch moved to axis 0 of the first input;
+    and the output to replace the layer's with (None: keep it)."""
+    first = args[0] if args else None
+    expanded = None
+    if _broadcast_lookup(module, first, output, batch_size):
+        # Position embeddings: one (1, T) row of indices shared by the batch, its output
+        # broadcast against the (B, T, D) token embeddings. Expanding it to B rows changes
+        # no value and gives each example its own output gradient.
+        first = first.expand(batch_size, *first.shape[1:])
+        args = (first, *args[1:])
+        output = expanded = output.expand(batch_size, *output.shape[1:])
+    axis = next(
+        (
+            axis
+            for axis in batch_axes
+            if _holds_batch(first, axis, batch_size) and _holds_batch(output, axis, batch_size)
+        ),
+        None,
+    )
+    if axis is None:
+        where = " or ".join(str(axis) for axis in batch_axes)
+        raise GhostUnsupported(
+            f"layer {name!r} ({type(module).__name__}) did not get the batch of "
+            f"{batch_size} on axis {where} of a positional input and of its output"
+        )
+    if axis:  # time-first: (T, B, ...) -> (B, T, ...)
+        args = (first.movedim(axis, 0), *args[1:])
+    return Recorded(args, output, axis), expanded
+
+
+def _holds_batch(x: Any, axis: int, batch_size: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > axis and x.shape[axis] == batch_size
 
 
 def _broadcast_lookup(module: nn.Module, first: Any, output: Any, batch_size: int) -> bool:
@@ -198,7 +258,14 @@ def _add_batch_axis(x: Any) -> Any:
 
 
 def layer_calls(module_name: str, records: list[LayerRecord]) -> list[LayerCall]:
+    """The calls of a layer whose output reached the loss, for its rule. Raises
+    :class:`GhostUnsupported` where the records cannot be trusted."""
     for record in records:
+        if record.unread_grad:
+            raise GhostUnsupported(
+                f"the loss depends on an output of layer {module_name!r} that its rule does not "
+                f"read (attention weights)"
+            )
         versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
         if versions != record.input_versions:
             raise GhostUnsupported(

@@ -11,8 +11,10 @@ call's positions as more tokens of one sequence: the per-example gradient is the
 Families covered: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
 ``nn.Conv2d`` / ``nn.Conv3d`` and the transposed ``nn.ConvTranspose1d/2d/3d`` (stride, padding
 incl. ``"same"`` and non-zero padding modes, output padding, dilation, groups),
-``nn.Embedding``, Hugging Face's ``Conv1D`` (GPT-2's linear layers), ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm*d`` and
-``nn.BatchNorm*d`` in eval mode.
+``nn.Embedding``, Hugging Face's ``Conv1D`` (GPT-2's linear layers), ``nn.LayerNorm``,
+``nn.GroupNorm``, ``nn.RMSNorm``, Hugging Face's RMS norms (``LlamaRMSNorm``, ``T5LayerNorm``...,
+matched by their attributes and checked against their output), ``nn.InstanceNorm*d`` and
+``nn.BatchNorm*d`` in eval mode. ``nn.MultiheadAttention``: ``torch_attention.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad._src.capture.rules import register
+from pergrad._src.capture.rules import in_reduction_precision, register
+from pergrad._src.capture.torch_checks import rows_match
+from pergrad._src.errors import GhostUnsupported
 
 
 @dataclass
@@ -158,8 +162,16 @@ def linear_weighted_sum(
     return result
 
 
+# Families that treat every leading axis alike take a time-first call, (T, B, ...), as well.
+TOKENWISE = (0, 1)
+
+
 @register(
-    nn.Linear, name="linear", per_example=linear_per_example, weighted_sum=linear_weighted_sum
+    nn.Linear,
+    name="linear",
+    per_example=linear_per_example,
+    weighted_sum=linear_weighted_sum,
+    batch_axes=TOKENWISE,
 )
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
@@ -195,6 +207,7 @@ def hf_conv1d_weighted_sum(
     name="hf_conv1d",
     per_example=hf_conv1d_per_example,
     weighted_sum=hf_conv1d_weighted_sum,
+    batch_axes=TOKENWISE,
 )
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
@@ -403,6 +416,7 @@ def embedding_weighted_sum(
     per_example=embedding_per_example,
     problem=_embedding_problem,
     weighted_sum=embedding_weighted_sum,
+    batch_axes=TOKENWISE,
 )
 def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Per example, the output gradients of the positions that look up the same row add up;
@@ -451,10 +465,11 @@ def _register_affine(
     name: str,
     normalizer: Any,
     reduce_dims: Any,
-    problem: Any = None,
+    **options: Any,
 ) -> None:
     """Register a normalisation layer family: ``normalizer(layer)`` gives ``x -> x_hat`` and
-    ``reduce_dims(layer)`` gives ``x -> the dimensions the affine parameters broadcast along``."""
+    ``reduce_dims(layer)`` gives ``x -> the dimensions the affine parameters broadcast along``;
+    ``options``: :func:`~pergrad._src.capture.rules.register`'s (``problem``, ``matches``...)."""
 
     def per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
         return _affine_per_example(layer, calls, normalizer(layer), reduce_dims(layer))
@@ -462,8 +477,7 @@ def _register_affine(
     def squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
         return {k: _squared(g) for k, g in per_example(layer, calls).items()}
 
-    extra = {} if problem is None else {"problem": problem}
-    register(*layer_types, name=name, per_example=per_example, **extra)(squared_norms)
+    register(*layer_types, name=name, per_example=per_example, **options)(squared_norms)
 
 
 def _trailing_norm_dims(layer: nn.Module) -> Any:
@@ -483,6 +497,7 @@ _register_affine(
         lambda x: F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
     ),
     reduce_dims=_trailing_norm_dims,
+    batch_axes=TOKENWISE,
 )
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
@@ -491,7 +506,79 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
         name="rms_norm",
         normalizer=lambda layer: lambda x: F.rms_norm(x, layer.normalized_shape, None, layer.eps),
         reduce_dims=_trailing_norm_dims,
+        batch_axes=TOKENWISE,
     )
+
+
+def _hf_rms_epsilon(layer: nn.Module) -> Any:
+    """The epsilon of a Hugging Face RMS norm (``variance_epsilon``; ``eps`` in a class named
+    ``...RMSNorm``, Gemma's), or None."""
+    eps = getattr(layer, "variance_epsilon", None)
+    if eps is None and "RMSNorm" in type(layer).__name__:
+        eps = getattr(layer, "eps", None)
+    return eps if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+def _is_hf_rms_norm(layer: nn.Module) -> bool:
+    """Hugging Face's RMS norms, one class per model (``LlamaRMSNorm``, ``T5LayerNorm``,
+    ``GemmaRMSNorm``...): a float epsilon and one parameter, a ``weight`` vector."""
+    if _hf_rms_epsilon(layer) is None:
+        return False
+    params = list(layer.named_parameters())
+    return len(params) == 1 and params[0][0] == "weight" and params[0][1].dim() == 1
+
+
+def _hf_rms_normalize(layer: nn.Module) -> Any:
+    """``x -> x / sqrt(mean(x^2) + eps)`` over the last axis, computed in float32 at least
+    (every such class upcasts a float16 / bfloat16 input for it)."""
+    eps = _hf_rms_epsilon(layer)
+
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        x = x.float() if x.element_size() < 4 else x
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    return normalize
+
+
+def _hf_rms_record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """Check that the layer computes ``weight * x_hat`` (or Gemma's ``(1 + weight) * x_hat``:
+    the weight's gradient is ``x_hat`` times the output gradient either way) on this call;
+    it is then recorded as a plain layer. The classes are matched by their attributes, so a
+    class computing something else is refused here, not reduced wrongly."""
+    x = args[0] if args else None
+    weight = layer.weight  # the value of this pass (functional_call swaps it in)
+    if not (
+        isinstance(x, torch.Tensor)
+        and isinstance(output, torch.Tensor)
+        and x.dim() > 1
+        and output.shape == x.shape
+        and x.shape[-1] == weight.numel()
+    ):
+        raise GhostUnsupported(
+            f"{type(layer).__name__} did not map one (..., {weight.numel()}) input to an "
+            f"output of its shape"
+        )
+    with torch.no_grad(), in_reduction_precision(x.device):
+        x_hat = _hf_rms_normalize(layer)(x)
+        got = output.reshape(output.shape[0], -1)
+        scale = weight.to(x_hat.dtype)
+        for offset in (0.0, 1.0):
+            if rows_match(got, ((scale + offset) * x_hat).reshape(got.shape).to(got.dtype)):
+                return
+    raise GhostUnsupported(
+        f"{type(layer).__name__} has the attributes of an RMS norm (weight, epsilon) but does "
+        f"not compute weight * x / sqrt(mean(x^2) + eps)"
+    )
+
+
+_register_affine(
+    name="hf_rms_norm",
+    normalizer=_hf_rms_normalize,
+    reduce_dims=lambda layer: lambda x: tuple(range(1, x.dim() - 1)),
+    matches=_is_hf_rms_norm,
+    record=_hf_rms_record,
+    batch_axes=TOKENWISE,
+)
 
 _register_affine(
     nn.GroupNorm,

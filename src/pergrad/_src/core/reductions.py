@@ -17,8 +17,9 @@ from pergrad._src.dp.clipping import (
     ClippedSum,
     check_positive,
     check_private_settings,
-    clip_factors,
     clip_groups,
+    clip_statistics,
+    clip_weights,
     clipped_sum,
     noisy_mean,
 )
@@ -126,10 +127,16 @@ def clipped_sum_of(
     factors as constants, as DP-SGD does; ``pergrad.dp.clipped_sum`` of materialised
     gradients differentiates through them too.
 
+    An example whose gradient is not finite (an inf or nan anywhere, so its norm is not
+    finite) gets weight 0 and contributes exactly nothing: its layer records (ghost), its
+    per-example gradient (materialize) or its inputs (chunked: the weighted loss runs another
+    example's data in its place, at weight 0) are masked with ``where`` before the sum, at
+    the cost of one elementwise pass over them. ``nonfinite`` counts such examples.
+
     Returns:
       A :class:`pergrad.dp.ClippedSum`: ``sum`` like the differentiated argument (no batch
       axis), ``norms`` ``(B,)``, ``clip_fraction``, ``sensitivity`` (``max_norm``, or
-      ``sqrt(sum bounds^2)`` per group), ``count``.
+      ``sqrt(sum bounds^2)`` per group), ``count``, ``nonfinite``.
 
     Example::
 
@@ -159,26 +166,18 @@ def clipped_sum_of(
         ]
 
     def weights_from(squared: list[Any]) -> Any:
-        norms = group_norms(squared)
-        weights = [clip_factors(n, b) * _real(n, mask) for n, b in zip(norms, bounds)]
+        # 0 for padding and for an example whose gradient is not finite: the strategies zero
+        # the records of every example of weight 0 before summing (0 * nan is nan)
+        weights = clip_weights(call.backend, group_norms(squared), bounds, mask).weights
         # one array object per group: the strategies compute each group's sum once
         return weights[0] if ids is None else [weights[g] for g in ids]
 
     request.weights_from = weights_from
     reduction = registry.execute("reduce", request, strategy, chosen)
     norms = group_norms(reduction.squared_norms)
-    real = _real(norms[0], mask)
-    count = real.sum()
-    # norms > bound, not factors < 1: bound / norm can round to just under 1 for a norm at or
-    # below the bound (float32, a bound not representable in it).
-    clipped = sum(n * 0 + (n > b) for n, b in zip(norms, bounds)).clip(max=1.0) * real
-    return ClippedSum(
-        sum=rebuild_grads(spec, call, reduction.weighted_sums),
-        norms=norms[0] if ids is None else norms,
-        clip_fraction=clipped.sum() / count.clip(min=1.0),
-        sensitivity=sum(b * b for b in bounds) ** 0.5,
-        count=count,
-    )
+    summed = rebuild_grads(spec, call, reduction.weighted_sums)
+    clipping = clip_weights(call.backend, norms, bounds, mask)
+    return clip_statistics(call.backend, summed, norms, bounds, clipping)
 
 
 def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[float]]:
@@ -339,11 +338,6 @@ def _setup(
 
 def _global_norms(squared: list[Any]) -> Any:
     return sum(squared[1:], squared[0]) ** 0.5
-
-
-def _real(like: Any, mask: Any) -> Any:
-    """1 for real examples, 0 for padding: ``(B,)`` like ``like``."""
-    return like * 0 + (1.0 if mask is None else mask)  # like's dtype and device
 
 
 def _check_mask(func_name: str, call: Call, mask: Any) -> None:

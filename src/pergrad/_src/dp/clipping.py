@@ -8,11 +8,20 @@ Bounds are either one number (flat clipping: each example's whole gradient to no
 a pytree prefix of the gradients (per-layer / per-group clipping: ``{"encoder": 1.0, "head":
 0.5}`` clips each group of leaves to its own bound). The sensitivity of the clipped sum is then
 ``sqrt(sum of squared bounds)``, and the noise scales with it.
+
+An example whose gradient is not finite (an inf or nan in any entry, so its norm is not
+finite) gets weight 0 and is masked with ``where`` before any product (``0 * nan`` is nan): it
+contributes exactly nothing, is counted in :attr:`ClippedSum.nonfinite`, and still counts in
+the batch (``count``), which the privacy accounting allows: its contribution, 0, is within the
+bound. Every DP reduction (these functions, ``clipped_sum_of`` on each strategy, the optax
+transform, ``DPOptimizer``) does the same through :func:`clip_weights`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import operator
+from typing import Any, NamedTuple
 
 from pergrad._src.backends import Backend, backend_of
 from pergrad._src.dp.types import ClippedSum
@@ -61,6 +70,61 @@ def clip_factors(norms: Any, bound: float) -> Any:
     return bound / norms.clip(min=bound)
 
 
+class ClipWeights(NamedTuple):
+    """Each example's weight in a clipped sum, from its group norms (:func:`clip_weights`).
+
+    Attributes:
+      weights: one ``(B,)`` array per group: ``min(1, bound / norm)`` for a real example with
+        finite norms, 0 for padding and for an example with any non-finite group norm.
+      real: ``(B,)`` 1 for real examples, 0 for padding, in the norms' dtype.
+      finite: ``(B,)`` booleans, True where every group norm of the example is finite.
+    """
+
+    weights: list[Any]
+    real: Any
+    finite: Any
+
+
+def clip_weights(
+    bk: Backend, group_norms: list[Any], bounds: list[float], mask: Any
+) -> ClipWeights:
+    """The examples' clip weights: non-finite examples and padding get 0, written with
+    ``where`` so that a nan norm cannot leak into the weights or the counts."""
+    finite = functools.reduce(operator.and_, [bk.isfinite(n) for n in group_norms])
+    first = group_norms[0]
+    # 1 in the norms' dtype and device, also for a nan norm (a bfloat16 model's weights @ grads
+    # refuses float32, and nan * 0 is nan)
+    ones = bk.where(finite, first * 0 + 1, 1.0)
+    real = ones if mask is None else ones * mask
+    weights = [
+        bk.where(finite, clip_factors(n, b), 0.0) * real for n, b in zip(group_norms, bounds)
+    ]
+    return ClipWeights(weights, real, finite)
+
+
+def clip_statistics(
+    bk: Backend,
+    summed: Any,
+    group_norms: list[Any],
+    bounds: list[float],
+    clipping: ClipWeights,
+) -> ClippedSum:
+    """The :class:`ClippedSum` of ``summed`` (the weighted sum) and the weights it used."""
+    real, finite = clipping.real, clipping.finite
+    # Compare norms with bounds, not factors with 1: bound / bound can round below 1 in float32.
+    above = functools.reduce(operator.or_, [n > b for n, b in zip(group_norms, bounds)])
+    clipped_any = bk.where(above & finite, real, 0.0)
+    count = real.sum()
+    return ClippedSum(
+        sum=summed,
+        norms=group_norms[0] if len(bounds) == 1 else group_norms,
+        clip_fraction=clipped_any.sum() / count.clip(min=1.0),
+        sensitivity=sum(b * b for b in bounds) ** 0.5,
+        count=count,
+        nonfinite=bk.where(finite, 0.0, real).sum(),
+    )
+
+
 def _group_norms(flat: list[Any], ids: list[int], num_groups: int) -> list[Any]:
     squared = [(leaf**2).sum(1) for leaf in flat]
     return [
@@ -78,16 +142,18 @@ def clip(grads: Any, max_norm: Any) -> Any:
 
     Returns:
       A new pytree like ``grads``. This keeps a clipped copy of every per-example gradient;
-      for DP-SGD, :func:`clipped_sum` gives the sum without it.
+      for DP-SGD, :func:`clipped_sum` gives the sum without it. An example whose gradient is
+      not finite (inf or nan) comes back as zeros.
     """
     bk, _, flat, treedef, batch_size = flat_leaves("clip", grads)
     ids, bounds = clip_groups("clip", bk, grads, max_norm)
-    factors = [clip_factors(n, b) for n, b in zip(_group_norms(flat, ids, len(bounds)), bounds)]
+    clipping = clip_weights(bk, _group_norms(flat, ids, len(bounds)), bounds, None)
     _, leaves, _ = bk.flatten(grads)
-    clipped = [
-        (f_leaf * factors[g].reshape(batch_size, *([1] * (len(bk.shape(f_leaf)) - 1))))
-        for f_leaf, g in zip(leaves, ids)
-    ]
+    clipped = []
+    for leaf, g in zip(leaves, ids):
+        rows = (batch_size, *([1] * (len(bk.shape(leaf)) - 1)))
+        finite_rows = bk.where(clipping.finite.reshape(rows), leaf, 0.0)
+        clipped.append(finite_rows * clipping.weights[g].reshape(rows))
     return bk.unflatten(treedef, clipped)
 
 
@@ -111,7 +177,8 @@ def clipped_sum(
         and ``clip_fraction`` cover all devices (see :func:`pergrad.dp.psum_clipped`).
 
     Returns:
-      A :class:`ClippedSum`.
+      A :class:`ClippedSum`. An example whose gradient is not finite (inf or nan) contributes
+      nothing and is counted in ``nonfinite``; it still counts in ``count``.
     """
     if axis_name is not None:
         from pergrad._src.jax.sharding import check_axis_name, psum_clipped
@@ -121,26 +188,19 @@ def clipped_sum(
         return psum_clipped(local, axis_name, func_name="clipped_sum")
     bk, _, flat, treedef, batch_size = flat_leaves("clipped_sum", grads)
     ids, bounds = clip_groups("clipped_sum", bk, grads, max_norm)
+    if mask is not None:
+        _check_mask(bk, mask, batch_size)
     group_norms = _group_norms(flat, ids, len(bounds))
-    factors = [clip_factors(n, b) for n, b in zip(group_norms, bounds)]
-    # in the norms' dtype and device (a bfloat16 model's weights @ grads refuses float32)
-    real = factors[0] * 0 + (1.0 if mask is None else _check_mask(bk, mask, batch_size))
-    weights = [f * real for f in factors]
+    clipping = clip_weights(bk, group_norms, bounds, mask)
+    finite_rows = clipping.finite.reshape(batch_size, 1)
     _, leaves, _ = bk.flatten(grads)
+    # the where costs one pass over the gradients (and a B x P temporary), and keeps a
+    # non-finite example's rows out of the product: 0 * nan would still be nan
     summed = [
-        (weights[g] @ f_leaf).reshape(bk.shape(leaf)[1:])
+        (clipping.weights[g] @ bk.where(finite_rows, f_leaf, 0.0)).reshape(bk.shape(leaf)[1:])
         for f_leaf, leaf, g in zip(flat, leaves, ids)
     ]
-    # Compare norms with bounds, not factors with 1: bound / bound can round below 1 in float32.
-    clipped_any = sum(n * 0 + (n > b) for n, b in zip(group_norms, bounds)).clip(max=1.0) * real
-    count = real.sum()
-    return ClippedSum(
-        sum=bk.unflatten(treedef, summed),
-        norms=group_norms[0] if len(bounds) == 1 else group_norms,
-        clip_fraction=clipped_any.sum() / count.clip(min=1.0),
-        sensitivity=sum(b * b for b in bounds) ** 0.5,
-        count=count,
-    )
+    return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, clipping)
 
 
 def _check_mask(bk: Backend, mask: Any, batch_size: int) -> Any:

@@ -19,7 +19,11 @@ class ClippedSum(NamedTuple):
       clip_fraction: share of (real, unmasked) examples whose gradient was scaled down, a 0-d
         array (per group: the share clipped in any group).
       sensitivity: how far one example can move ``sum``: the bound, or sqrt(Σ bounds²).
-      count: number of real examples summed (a 0-d array; B without a mask).
+      count: number of real examples summed (a 0-d array; B without a mask), the non-finite
+        ones included.
+      nonfinite: number of real examples whose gradient was not finite (an inf or nan entry,
+        so an inf or nan norm), a 0-d array. Each got weight 0 and contributes exactly nothing
+        to ``sum``; it is not counted as clipped in ``clip_fraction``.
     """
 
     sum: Any
@@ -27,3 +31,4 @@ class ClippedSum(NamedTuple):
     clip_fraction: Any
     sensitivity: float
     count: Any
+    nonfinite: Any

@@ -14,11 +14,14 @@ from pergrad._src.jax.sharding import check_axis_name
 
 
 class PrivateAggregateState(NamedTuple):
-    """The noise key, and the last step's clipping statistics (for logging)."""
+    """The noise key, and the last step's clipping statistics (for logging): the share of
+    real examples clipped, their number, and how many of them had a gradient that was not
+    finite (zeroed, see :func:`optax_aggregate`)."""
 
     key: jax.Array
     clip_fraction: jax.Array
     count: jax.Array
+    nonfinite: jax.Array
 
 
 def optax_aggregate(
@@ -44,6 +47,11 @@ def optax_aggregate(
     padding) lets Poisson batches be padded to one size, so ``jax.jit`` compiles once; an
     all-padding batch gives pure noise. Works under ``jax.jit``; ``state.clip_fraction`` holds
     the share of examples clipped in the last step.
+
+    An example whose gradient is not finite (an inf or nan entry) is zeroed rather than
+    poisoning the update: it contributes nothing, still counts in the batch (the accounting is
+    unaffected: 0 is within the bound), and ``state.nonfinite`` counts such examples of the
+    last step. Cost: one elementwise ``where`` over the per-example gradients.
 
     Several devices: under ``jax.jit`` with the batch sharded over a mesh
     (:func:`pergrad.dp.shard_batch`) and the state replicated, it needs nothing more: each
@@ -75,7 +83,7 @@ def optax_aggregate(
 
     def init(params: Any) -> PrivateAggregateState:
         del params
-        return PrivateAggregateState(key, jnp.zeros(()), jnp.zeros(()))
+        return PrivateAggregateState(key, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
 
     def update(
         updates: Any,
@@ -90,7 +98,9 @@ def optax_aggregate(
         mean, stats = private_mean(
             updates, max_norm, noise_multiplier, noise_key, expected_batch_size, mask, axis_name
         )
-        return mean, PrivateAggregateState(next_key, stats.clip_fraction, stats.count)
+        return mean, PrivateAggregateState(
+            next_key, stats.clip_fraction, stats.count, stats.nonfinite
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 

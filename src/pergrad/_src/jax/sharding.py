@@ -155,8 +155,8 @@ def psum_clipped(
       func_name: the public function to name in error messages.
 
     Returns:
-      A :class:`pergrad.dp.ClippedSum` whose ``sum``, ``count`` and ``clip_fraction`` cover
-      every device's examples; ``norms`` stay the local examples' norms.
+      A :class:`pergrad.dp.ClippedSum` whose ``sum``, ``count``, ``clip_fraction`` and
+      ``nonfinite`` cover every device's examples; ``norms`` stay the local examples' norms.
     """
     name = func_name
     check_axis_name(name, axis_name)
@@ -185,8 +185,15 @@ def psum_clipped(
     _check_local(name, clipped.sum, axes, tracked)
     # clip_fraction * count is an integer up to rounding; round so the sum stays exact.
     num_clipped = jnp.round(clipped.clip_fraction * clipped.count.clip(min=1.0))
-    total, count, num_clipped = jax.lax.psum((clipped.sum, clipped.count, num_clipped), axes)
-    return clipped._replace(sum=total, count=count, clip_fraction=num_clipped / count.clip(min=1.0))
+    total, count, num_clipped, nonfinite = jax.lax.psum(
+        (clipped.sum, clipped.count, num_clipped, clipped.nonfinite), axes
+    )
+    return clipped._replace(
+        sum=total,
+        count=count,
+        clip_fraction=num_clipped / count.clip(min=1.0),
+        nonfinite=nonfinite,
+    )
 
 
 def _varying_axes(x: Any) -> frozenset[str] | None:

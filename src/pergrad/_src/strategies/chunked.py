@@ -12,6 +12,11 @@ forward pass is the framework's ``vmap`` of the loss of one example.
 
 Where the framework cannot vectorise the loss (torch's ``nn.GRU`` with torch.func), the
 examples are taken one at a time with the core's loop, again reduced at once.
+
+An example of weight 0 (padding, or a gradient that is not finite) must add exactly nothing,
+but in the weighted loss its ``0 * loss_i`` still sends ``0 * nan`` into the gradient when its
+loss or gradient is nan. So the weighted loss runs the data of an example of positive weight in
+its place (:func:`stand_in_for_zero_weights`): one ``where`` over the batch's inputs.
 """
 
 from __future__ import annotations
@@ -132,10 +137,25 @@ def _weighted_gradient(
 
         subset = tuple(diff[k] for k in leaves)
         example_weights = bk.stop_gradient(group_weights)
-        _, grads = bk.value_and_grad(weighted_loss, False)(subset, batched, example_weights)
+        examples = stand_in_for_zero_weights(bk, batched, example_weights)
+        _, grads = bk.value_and_grad(weighted_loss, False)(subset, examples, example_weights)
+        # every weight 0: the stand-in itself may be non-finite, and the sum is 0
+        weighted = (example_weights != 0).any()
         for k, g in zip(leaves, grads):
-            sums[k] = g
+            sums[k] = bk.where(weighted, g, 0.0)
     return sums
+
+
+def stand_in_for_zero_weights(bk: Backend, batched: tuple[Any, ...], weights: Any) -> Any:
+    """``batched`` with each example of weight 0 replaced by the example of largest weight:
+    its loss, times 0, adds exactly 0 to the weighted gradient, where its own loss could add
+    ``0 * nan``."""
+    stand_in = weights.argmax()
+    zero = weights == 0
+    return tuple(
+        bk.where(zero.reshape((-1,) + (1,) * (len(bk.shape(x)) - 1)), x[stand_in], x)
+        for x in batched
+    )
 
 
 def _looped(
@@ -164,7 +184,10 @@ def _looped(
     per_leaf = [bk.stop_gradient(w) for w in per_leaf]
     sums = [leaf * 0 for leaf in diff]
     for i in range(batch_size):
-        sums = [s + w[i] * g for s, w, g in zip(sums, per_leaf, grads_of(i))]
+        # where, not w[i] * g: a non-finite example has weight 0, and 0 * nan is nan
+        sums = [
+            s + bk.where(w[i] != 0, w[i] * g, 0.0) for s, w, g in zip(sums, per_leaf, grads_of(i))
+        ]
     return Reduction(squared, sums)
 
 

@@ -10,7 +10,9 @@ contraction (its *site*); a leaf with one site is a *ghost parameter*. Then (:fu
    contraction's rule (``capture/jax_contractions.py``: the factored dense norm, the embedding's
    segment sums, a per-example transpose for convolutions);
 3. the weighted sum ``sum_i w_i g_i`` that a clipped sum needs is the contraction's transpose
-   applied once to the whole batch with cotangents ``w_i dz_i``: no second backward pass.
+   applied once to the whole batch with cotangents ``w_i dz_i``: no second backward pass. An
+   example of weight 0 (padding, or a gradient that is not finite) has its records zeroed
+   first (``where``; ``0 * nan`` would be nan), so it adds exactly nothing.
 
 A table tied across uses (read by embedding lookups and by at most one dense contraction, as
 GPT-2's or flax's ``Embed.attend`` output projection) is ghosted too, its squared norm combined
@@ -131,14 +133,30 @@ def ghost(
     per_leaf = [jax.lax.stop_gradient(w) for w in per_leaf]
     sums: list[Any] = [None] * len(squared)
     for k, g in found.grads.items():
-        sums[k] = jnp.tensordot(per_leaf[k].astype(g.dtype), g, axes=1)
+        sums[k] = jnp.tensordot(per_leaf[k].astype(g.dtype), _weighted_rows(g, per_leaf[k]), 1)
     for k, site in found.sites.items():
-        sums[k] = rule_for(site).weighted_sum(
-            site, found.values[k], found.inputs[k], found.cotangents[k], per_leaf[k]
+        w = per_leaf[k]
+        inputs, cotangents = (
+            _weighted_rows(found.inputs[k], w),
+            _weighted_rows(found.cotangents[k], w),
         )
+        sums[k] = rule_for(site).weighted_sum(site, found.values[k], inputs, cotangents, w)
     for k, group in found.shared.items():
-        sums[k] = jax_contractions.tied_weighted_sum(group, *_tied_records(found, k), per_leaf[k])
+        w = per_leaf[k]
+        inputs = tuple(_weighted_rows(x, w) for x in found.shared_inputs[k])
+        cotangents = tuple(_weighted_rows(d, w) for d in found.shared_cotangents[k])
+        sums[k] = jax_contractions.tied_weighted_sum(group, found.values[k], inputs, cotangents, w)
     return Reduction(squared, sums)
+
+
+def _weighted_rows(records: Any, weights: Any) -> Any:
+    """``records`` (``(B, ...)``) with the rows of the examples of weight 0 zeroed, so that a
+    nan or inf there cannot reach the weighted sum as ``0 * nan``; integer records (lookup
+    indices) are finite and stay as they are."""
+    if not jnp.issubdtype(records.dtype, jnp.inexact):
+        return records
+    keep = (weights != 0).reshape((-1,) + (1,) * (records.ndim - 1))
+    return jnp.where(keep, records, 0)
 
 
 def _tied_records(found: JaxRecords, k: int) -> tuple[Any, Any, Any]:

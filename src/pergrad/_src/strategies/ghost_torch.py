@@ -18,7 +18,9 @@ One call:
    factor ``c_i``, give ``sum_i c_i g_i`` (the rule's ``weighted_sum``: for a linear layer one
    matrix product, the cost of its ordinary weight gradient). No second backward pass (the
    "book-keeping" of Bu et al. 2023, "Differentially private optimization on large model at
-   small cost").
+   small cost"). An example of weight 0 (padding, or a gradient that is not finite) has its
+   output gradients zeroed and the non-finite entries of its inputs replaced by 0 first
+   (:func:`weighted_calls`; ``0 * nan`` would be nan), so it adds exactly nothing.
 
 Tensor hooks (not ``autograd.grad`` with respect to the outputs) because they see the gradient
 of the value the layer produced even when a later in-place op (``ReLU(inplace=True)``) rewrites
@@ -67,7 +69,12 @@ import torch
 from torch import nn
 
 from pergrad._src.capture import torch_checks, torch_generic, torch_tied
-from pergrad._src.capture.rules import in_reduction_precision, rule_for
+from pergrad._src.capture.rules import (
+    in_reduction_precision,
+    layer_parameters,
+    parameter_owners,
+    rule_for,
+)
 from pergrad._src.capture.torch_engine import (
     LayerRecord,
     capturing,
@@ -132,10 +139,10 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
     layers, unsupported, tied = {}, {}, {}
     generic_size = 0
     for name in params:
-        module_name = name.rpartition(".")[0]
         if name not in uses:
             unsupported[name] = "not a parameter of the model"
             continue
+        module_name = uses[name][0][0]  # the layer reducing it (out_proj's: its attention)
         others = [alias for alias, of in canonical.items() if of == name and alias != name]
         given = [other for other in others if other in params]
         if given:
@@ -181,8 +188,9 @@ def _uses_and_aliases(
     names_of: dict[int, list[str]] = {}
     uses_of: dict[int, list[tuple[str, str]]] = {}
     seen = set()
+    owners = parameter_owners(model)
     for full, param in model.named_parameters(remove_duplicate=False):
-        module_name, _, attribute = full.rpartition(".")
+        module_name, attribute = owners[full]
         by_name[full] = param
         names_of.setdefault(id(param), []).append(full)
         layer = (id(model.get_submodule(module_name)), attribute)
@@ -404,7 +412,7 @@ def ghost(
                 k = position[id(params[name])]
                 sums[k] = sums[k] + value if name in found.tied else value
         for name in group & set(found.unit_grads):
-            grads = found.unit_grads[name]
+            grads = _zero_rows(found.unit_grads[name], weights != 0)
             with in_reduction_precision(grads.device):  # not in autocast's bfloat16
                 sums[position[id(params[name])]] = torch.tensordot(
                     weights.detach().to(grads.dtype), grads, dims=1
@@ -433,14 +441,14 @@ def layerwise(
         plug_in = rule.reduction(reduction)
         uses_tied = any(
             found.canonical.get(_full_name(module_name, p)) in found.tied
-            for p, _ in module.named_parameters(recurse=False)
+            for p, _ in layer_parameters(module)
         )
         calls = layer_calls(module_name, found.records[module_name])
         if not calls:  # never called, or its output did not reach the loss: zeros below
             continue
         own = [
             p
-            for p, _ in module.named_parameters(recurse=False)
+            for p, _ in layer_parameters(module)
             if found.canonical.get(_full_name(module_name, p)) in params
         ]
         with torch.no_grad():
@@ -584,7 +592,7 @@ def _one_parameter_per_layer(
     for module_name, module in modules.items():
         own = [
             params[name]
-            for param_name, _ in module.named_parameters(recurse=False)
+            for param_name, _ in layer_parameters(module)
             if (name := canonical.get(_full_name(module_name, param_name))) in params
         ]
         if own:
@@ -602,7 +610,7 @@ def _owns_any(
 ) -> bool:
     return any(
         canonical.get(_full_name(module_name, name)) in names
-        for name, _ in module.named_parameters(recurse=False)
+        for name, _ in layer_parameters(module)
     )
 
 
@@ -613,12 +621,54 @@ def _squared_norms_of(module: nn.Module, calls: list[LayerCall]) -> dict[str, to
 def _weighted_sum_of(weights: torch.Tensor) -> Any:
     def weighted_sum(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
         rule = rule_for(module)
+        calls = weighted_calls(calls, weights)
         if rule.weighted_sum is not None:
             return rule.weighted_sum(module, calls, weights)
         per_example = rule.per_example(module, calls)  # as small as an activation
         return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in per_example.items()}
 
     return weighted_sum
+
+
+def weighted_calls(calls: list[LayerCall], weights: torch.Tensor) -> list[LayerCall]:
+    """The calls as a rule's weighted sum may read them: in the rows of the examples of weight
+    0, the output gradients zeroed and the non-finite entries of the floating inputs replaced
+    by 0.
+
+    An example of weight 0 then adds exactly nothing (finite inputs, a zero output gradient,
+    and a rule's sum is linear in the output gradients), where ``0 * nan`` from a nan record
+    would be nan. Inputs are touched only where axis 0 has the batch size, and only their
+    non-finite entries: an example of positive weight, a mask's ``-inf`` of a real example
+    and an input shared by the batch keep their values. One elementwise pass over the records.
+    """
+    keep = weights != 0
+    return [
+        LayerCall(
+            tuple(_finite_in_zero_rows(x, keep) for x in call.inputs),
+            _zero_rows(call.output_grad, keep),
+        )
+        for call in calls
+    ]
+
+
+def _rows(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return keep.to(like.device).reshape((-1,) + (1,) * (like.dim() - 1))
+
+
+def _finite_in_zero_rows(x: Any, keep: torch.Tensor) -> Any:
+    if not (
+        isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and x.dim() > 0
+        and x.shape[0] == keep.shape[0]
+    ):
+        return x
+    return torch.where(_rows(keep, x) | torch.isfinite(x), x, 0.0)
+
+
+def _zero_rows(records: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``records`` (``(B, ...)``) with the rows of the examples of weight 0 zeroed."""
+    return torch.where(_rows(keep, records), records, 0.0)
 
 
 def _per_layer(

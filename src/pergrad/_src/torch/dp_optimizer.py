@@ -12,7 +12,12 @@ from torch import nn
 from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
 from pergrad._src.dp.secure import SecureRandom
-from pergrad._src.errors import PergradTypeError, PergradValueError, warn_from_caller
+from pergrad._src.errors import (
+    NonFiniteWarning,
+    PergradTypeError,
+    PergradValueError,
+    warn_from_caller,
+)
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -32,12 +37,18 @@ class DPStep:
 
     ``skipped`` (with a ``scaler`` only): the loss scale overflowed, so the step drew no noise,
     left the parameters as they were and halved the scale (for :meth:`DPOptimizer.accumulate`:
-    this micro-batch overflowed, so the step it belongs to will be skipped)."""
+    this micro-batch overflowed, so the step it belongs to will be skipped).
+
+    ``nonfinite``: how many examples had a gradient that was not finite (inf or nan). Without a
+    scaler each was zeroed: it contributed nothing, and still counts in ``batch_size``. With a
+    scaler they are the overflow that skipped the step. With ``distributed``, this process's
+    examples only."""
 
     clip_fraction: float
     batch_size: int
     strategy: str
     skipped: bool = False
+    nonfinite: int = 0
 
 
 class DPOptimizer:
@@ -96,6 +107,16 @@ class DPOptimizer:
     skipped steps the accountant's epsilon holds for the noisy updates but not for the skip
     pattern. Prefer bfloat16 (float32's range, no scaler, never skips) where the hardware has
     it. See the DP-SGD guide.
+
+    **Non-finite gradients** (without a ``scaler``): an example whose gradient has an inf or
+    nan (a nan in its input, a ``log(0)`` in its loss) is zeroed rather than poisoning the
+    step: it adds nothing to the clipped sum, the rest of the batch updates the model as
+    usual, and :attr:`DPStep.nonfinite` counts it. The first step that meets one says so with
+    a :class:`pergrad.NonFiniteWarning` (once per optimizer). The example still counts in the
+    batch, and the accountant is unaffected: a contribution of 0 is within the clipping bound,
+    so the noise covers it as it covers any other example. Cost: one elementwise ``where`` over
+    each layer's recorded activations and output gradients (ghost) or over the batch's inputs
+    (chunked), and one host sync per micro-batch to read the count.
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
@@ -172,6 +193,7 @@ class DPOptimizer:
         self.strategy = strategy
         self.chunk_size = chunk_size
         self._warned_off_ghost = False
+        self._warned_nonfinite = False
         self._pending: ClippedSum | None = None  # accumulated micro-batches of this step
         self._pending_overflow = False  # some micro-batch's scaled gradients were not finite
         self._pending_strategy = "materialize"
@@ -230,9 +252,16 @@ class DPOptimizer:
                 / max(float(pending.count + clipped.count), 1.0),
                 sensitivity=clipped.sensitivity,
                 count=pending.count + clipped.count,
+                nonfinite=pending.nonfinite + clipped.nonfinite,
             )
         self._pending_strategy = strategy
-        return DPStep(float(clipped.clip_fraction), int(clipped.count), strategy, overflow)
+        return DPStep(
+            float(clipped.clip_fraction),
+            int(clipped.count),
+            strategy,
+            overflow,
+            int(clipped.nonfinite),
+        )
 
     def step(self, *batch: Any) -> DPStep:
         """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets);
@@ -263,6 +292,7 @@ class DPOptimizer:
             batch_size=int(totals.count),
             strategy=strategy,
             skipped=overflow,
+            nonfinite=int(clipped.nonfinite),
         )
 
     def _update(self, gradient: dict[str, torch.Tensor]) -> None:
@@ -292,8 +322,8 @@ class DPOptimizer:
             param.grad = None
 
     def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str, bool]:
-        """The micro-batch's clipped sum (unscaled), its strategy, and whether its scaled
-        gradients overflowed."""
+        """The micro-batch's clipped sum (unscaled, non-finite examples zeroed), its strategy,
+        and whether its scaled gradients overflowed (with a scaler, any non-finite example)."""
         params = self._loss.params()
         choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
         self._warn_off_ghost(choice)
@@ -310,28 +340,32 @@ class DPOptimizer:
             strategy=self.strategy,
             chunk_size=self.chunk_size,
         )
-        finite = _all_finite([clipped.norms, *clipped.sum.values()])
-        if not finite and self._scaled_loss is None:
-            raise PergradValueError(
-                "DPOptimizer.step: some example's gradient is not finite (inf or nan), so its "
-                "clipped contribution is undefined and the step would write nan into the "
-                "parameters. Under float16 autocast, whose range ends at 65504, pass "
-                "scaler=torch.amp.GradScaler(...) to skip such steps and lower the loss scale, "
-                "or autocast to bfloat16; otherwise look for a nan or inf in the batch or loss."
-            )
-        if not finite:  # an inf norm makes the count nan (inf * 0): count the examples
-            norms = clipped.norms
-            clipped = clipped._replace(
-                count=torch.tensor(float(norms.shape[0]), device=norms.device),
-                clip_fraction=(~(norms <= self.max_norm * scale)).float().mean(),
-            )
+        nonfinite = int(clipped.nonfinite)
+        if nonfinite and self._scaled_loss is None:
+            self._warn_nonfinite(nonfinite, int(clipped.count))
         if scale != 1.0:
             clipped = clipped._replace(
                 sum={name: value / scale for name, value in clipped.sum.items()},
                 norms=clipped.norms / scale,
                 sensitivity=self.max_norm,
             )
-        return clipped, choice.strategy, not finite
+        return clipped, choice.strategy, nonfinite > 0 and self._scaled_loss is not None
+
+    def _warn_nonfinite(self, nonfinite: int, batch_size: int) -> None:
+        """Once per optimizer: a step zeroed examples whose gradient was not finite."""
+        if self._warned_nonfinite:
+            return
+        self._warned_nonfinite = True
+        warn_from_caller(
+            f"DPOptimizer: {nonfinite} of {batch_size} examples had a gradient that is not "
+            f"finite (inf or nan). Each was zeroed: it contributes nothing to the update and "
+            f"still counts in the batch (the privacy accounting is unaffected: 0 is within the "
+            f"clipping bound). DPStep.nonfinite counts them at every step; said once per "
+            f"optimizer. Look for a nan or inf in the data or the loss (log(0)); under float16 "
+            f"autocast, whose range ends at 65504, pass scaler=torch.amp.GradScaler(...) or "
+            f"autocast to bfloat16.",
+            NonFiniteWarning,
+        )
 
     def _scale(self) -> float:
         """The scaler's current scale. Asked through ``scale()``, which creates it on the
@@ -403,7 +437,3 @@ def _check_scaler(scaler: Any, distributed: Any) -> torch.amp.GradScaler | None:
             "or train in one process."
         )
     return scaler if scaler.is_enabled() else None
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
