@@ -73,6 +73,10 @@ class LayerRecord:
     input_versions: tuple[int, ...]
     output_grad: torch.Tensor | None = None
     unread_grad: bool = False
+    # The recorded output and its version then: differentiating it (while no in-place op has
+    # changed it) reaches the output gradient without any weight gradient (ghost_torch.capture).
+    output: torch.Tensor | None = None
+    output_version: int = -1
 
 
 @contextmanager
@@ -114,6 +118,7 @@ def capturing(
             recorded.output.register_hook(
                 lambda grad: setattr(record, "output_grad", grad.movedim(axis, 0))
             )
+            record.output, record.output_version = recorded.output, recorded.output._version
         for other in recorded.unread:
             if isinstance(other, torch.Tensor) and other.requires_grad:
                 other.register_hook(lambda grad: setattr(record, "unread_grad", True))

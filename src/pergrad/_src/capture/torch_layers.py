@@ -78,8 +78,16 @@ def outer_product_squared_norms(
     # MPS has no float64: there the gradient is formed
     if gram_is_cheaper(positions, width_in, width_out) and activations.device.type != "mps":
         return _blocked_gram(activations.double(), output_grads.double()).to(activations.dtype)
-    per_example = activations.transpose(-1, -2) @ output_grads
-    return (per_example**2).sum((1, 2, 3))
+    # Formed a few examples at a time (at most FORMED_BLOCK_BYTES), squared in place: an LM
+    # head's p x q gradient per example would otherwise hold B p q numbers twice.
+    per_chunk = width_in * width_out * activations.shape[1] * activations.element_size()
+    chunk = max(1, FORMED_BLOCK_BYTES // per_chunk)
+    return torch.cat(
+        [
+            (a.transpose(-1, -2) @ d).square_().sum((1, 2, 3))
+            for a, d in zip(activations.split(chunk), output_grads.split(chunk))
+        ]
+    )
 
 
 # The per-layer cost model of the ghost norm. Measured by benchmarks/gram_precision.py (2-core
@@ -87,6 +95,9 @@ def outer_product_squared_norms(
 # of the formed per-example gradient, B p q of them (writing and squaring B x p x q numbers is
 # memory-bound where T is small next to p and q).
 GRAM_COST_RATIO = 50
+# Per-example gradients formed for their norm (where the Gram route is dearer) are formed a few
+# examples at a time, at most this many bytes.
+FORMED_BLOCK_BYTES = 2**25
 # Gram matrices of a long sequence are formed in T x T blocks of at most this many bytes (both
 # matrices, the whole batch): T = 2048, B = 16 in one piece would be 1 GiB in float64.
 GRAM_BLOCK_BYTES = 2**27

@@ -325,9 +325,9 @@ def capture(
     tied = {name: owners for name, owners in uses.items() if len(owners) > 1}
     key = torch_checks.layout_key(params, [x for leaves in call.leaves[1:] for x in leaves])
     checked = key in loss.ghost_checked
-    # Each layer's smallest parameter (a bias, usually): differentiating these reaches every
-    # layer's output gradient at almost no cost of its own.
-    light = _one_parameter_per_layer(modules, params, canonical) + [
+    # Each generic unit's smallest parameter (and below, each layer's bias or output):
+    # differentiating these reaches every output gradient at almost no cost of its own.
+    unit_light = [
         min((params[full] for full in names.values()), key=lambda p: p.numel())
         for names in assigned.values()
     ]
@@ -342,6 +342,7 @@ def capture(
         # The first run of a layout differentiates every parameter, to check the norms against
         # the batch gradient; later ones only what reaches each layer's output, so the weight
         # gradients (a third of a training step's work) are never computed.
+        light = _light_targets(modules, records, params, canonical) + unit_light
         wanted = light if checked else diff
         batch_grads = torch.autograd.grad(
             losses.sum(), wanted, allow_unused=True, retain_graph=not checked
@@ -352,6 +353,10 @@ def capture(
             _check_layout(
                 spec, call, diff, losses, light, {**records, **unit_records}, rng, batch_size
             )
+        del light, wanted
+        for layer_records in records.values():
+            for record in layer_records:
+                record.output = None  # its gradient is recorded: free the output itself
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
     found = Captured(diff, params, position, modules, records, unit_grads, tied, canonical, None)
@@ -395,7 +400,10 @@ def ghost(
     if weights_from is None:
         return Reduction(squared, None)
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
-    # weight: one weight-gradient computation, no second backward pass.
+    # weight: one weight-gradient computation, no second backward pass. A non-finite record
+    # makes its example's squared norm non-finite, so when every norm is finite (one host sync)
+    # no record needs cleaning before the weighted sums (see weighted_calls).
+    finite = bool(torch.isfinite(sum(x.detach().float() for x in squared)).all())
     sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
     for weights, leaves in weight_groups(weights_from(squared), len(found.diff)):
         group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
@@ -405,7 +413,11 @@ def ghost(
             if _owns_any(m, module, group, found.canonical)
         }
         computed = _per_layer(
-            owners, found.records, params, _weighted_sum_of(weights.detach()), found.canonical
+            owners,
+            found.records,
+            params,
+            _weighted_sum_of(weights.detach(), clean=not finite),
+            found.canonical,
         )
         for name, value in computed:
             if name in group:  # a tied parameter's weighted sum: the sum of its uses'
@@ -583,11 +595,17 @@ def _unit_constants(
     return constants
 
 
-def _one_parameter_per_layer(
-    modules: dict[str, nn.Module], params: dict[str, torch.Tensor], canonical: dict[str, str]
+def _light_targets(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    params: dict[str, torch.Tensor],
+    canonical: dict[str, str],
 ) -> list[torch.Tensor]:
-    """Each hooked layer's smallest differentiated parameter (a tied one under its name in
-    ``params``: a bias-free output projection tied to the embedding has only that), once."""
+    """What to differentiate so that the backward pass reaches every hooked layer's output
+    and computes no weight gradient: a layer's vector parameter (a bias, a norm's scale) if
+    it has one; otherwise (a bias-free linear layer, an embedding: Llama's every layer, an LM
+    head) its recorded outputs, as long as no in-place op has changed them since (their hooks
+    would not fire), else its smallest parameter."""
     chosen: dict[int, torch.Tensor] = {}
     for module_name, module in modules.items():
         own = [
@@ -595,8 +613,17 @@ def _one_parameter_per_layer(
             for param_name, _ in layer_parameters(module)
             if (name := canonical.get(_full_name(module_name, param_name))) in params
         ]
-        if own:
-            smallest = min(own, key=lambda p: p.numel())
+        if not own:
+            continue
+        smallest = min(own, key=lambda p: p.numel())
+        outputs = [r.output for r in records[module_name] if r.output is not None]
+        unchanged = all(
+            r.output is None or r.output._version == r.output_version for r in records[module_name]
+        )
+        if smallest.dim() >= 2 and outputs and unchanged:
+            for output in outputs:
+                chosen[id(output)] = output
+        else:
             chosen[id(smallest)] = smallest
     return list(chosen.values())
 
@@ -618,10 +645,11 @@ def _squared_norms_of(module: nn.Module, calls: list[LayerCall]) -> dict[str, to
     return rule_for(module).squared_norms(module, calls)
 
 
-def _weighted_sum_of(weights: torch.Tensor) -> Any:
+def _weighted_sum_of(weights: torch.Tensor, clean: bool = True) -> Any:
     def weighted_sum(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
         rule = rule_for(module)
-        calls = weighted_calls(calls, weights)
+        if clean:
+            calls = weighted_calls(calls, weights)
         if rule.weighted_sum is not None:
             return rule.weighted_sum(module, calls, weights)
         per_example = rule.per_example(module, calls)  # as small as an activation

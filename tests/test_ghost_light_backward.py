@@ -1,0 +1,77 @@
+"""The ghost strategy's backward pass computes no weight gradient (issue 19).
+
+After the first call of a layout (which differentiates everything, to check it), a ghost pass
+differentiates only what reaches each layer's output: a bias, or, for a bias-free layer (every
+layer of Llama, an LM head, an embedding), the layer's recorded output itself -- unless an
+in-place op changed that output after the layer, when its hook would not fire; then the
+layer's weight is differentiated as before. Both routes must give the same clipped sums as
+per-example gradients formed by a loop of autograd calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch ghost strategy")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pergrad  # noqa: E402
+from _reference import torch_module_loop_grads  # noqa: E402
+from pergrad._src.core.reductions import clipped_sum_of  # noqa: E402
+
+
+class BiasFree(nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.hidden = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.in_place = in_place
+
+    def forward(self, ids):
+        h = self.hidden(self.embed(ids))
+        if self.in_place:
+            h.mul_(2.0)  # after the layer's hook recorded h
+        return self.head(torch.tanh(h))
+
+
+def lm_loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, 20), ids[:, 1:].reshape(-1))
+
+
+def reference_clipped_sum(model, ids, max_norm):
+    grads = torch_module_loop_grads(model, lm_loss, [ids], [ids])
+    norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
+    factors = (max_norm / norms).clamp(max=1.0)
+    return {k: torch.tensordot(factors, g.double(), dims=1) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["outputs", "in-place: weights"])
+def test_bias_free_layers_differentiate_their_outputs_not_their_weights(in_place, monkeypatch):
+    torch.manual_seed(0)
+    model = BiasFree(in_place)
+    ids = torch.randint(0, 20, (6, 7), generator=torch.Generator().manual_seed(1))
+    loss = pergrad.module_loss(model, lm_loss)
+    params = loss.params()
+    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    asked = []
+    grad = torch.autograd.grad
+
+    def recording(outputs, inputs, *args, **kwargs):
+        asked.extend(inputs)
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
+    monkeypatch.undo()
+    differentiated = [x for x in asked if x.is_leaf and x.dim() >= 2]  # weight matrices
+    assert len(asked) > len(differentiated)  # every layer's output was reached some way
+    if in_place:  # the hidden layer's output changed: its weight is differentiated instead
+        assert [tuple(x.shape) for x in differentiated] == [(8, 8)]
+    else:
+        assert differentiated == []
+    want = reference_clipped_sum(model, ids, 0.1)
+    for name, value in want.items():
+        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
