@@ -241,3 +241,49 @@ def test_strategies_benchmark_quick_run(tmp_path) -> None:
             assert taken in ("vmap", "hooks"), (model, taken)
         if error != "—":
             assert float(error) < 1e-4, (model, method, error)
+
+
+def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/dp_transformers.py --quick: every model and method has a row, Opacus's ghost
+    clipping refuses GPT-2's tied embedding (reported, not untied), pergrad's rows name the
+    strategy its DP step took, and the plot is written."""
+    pytest.importorskip("transformers", reason="the DP benchmark runs Hugging Face models")
+    pytest.importorskip("opacus", reason="the DP benchmark compares with Opacus")
+    out = tmp_path / "dp_transformers.md"
+    command = [sys.executable, "benchmarks/dp_transformers.py", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# DP-SGD step cost on small transformers")
+    assert "- machine: " in text and "opacus " in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # no header rows
+    rows = {}
+    for line in lines:
+        workload, method, strategy, ms, ratio, _, _, memory, note = (
+            cell.strip() for cell in line.split("|")[1:-1]
+        )
+        rows[(workload.split(" T=")[0], method)] = (strategy, ms, ratio, memory, note)
+    models = {"GPT-2", "BERT", "Llama", "ViT"}
+    methods = {"non-private", "pergrad DP", "Opacus hooks", "Opacus ghost"}
+    assert set(rows) == {(model, method) for model in models for method in methods}
+    assert rows[("GPT-2", "Opacus ghost")][4].startswith("refuses: NotImplementedError")
+    for model in models:
+        assert rows[(model, "non-private")][2:4] == ("1.00x", "1.00x")
+        strategy, ms, ratio, memory, note = rows[(model, "pergrad DP")]
+        assert strategy in ("ghost", "chunked", "materialize") and not note, (model, note)
+        assert float(ms) > 0 and ratio.endswith("x") and memory.endswith("x")
+    assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text
+    text_lines = text.splitlines()
+    start = next(i for i, line in enumerate(text_lines) if line.startswith("- The same step"))
+    differences = []
+    for line in text_lines[start + 1 :]:
+        if not line.startswith("  - "):
+            break
+        differences.append(line[4:])
+    assert len(differences) == 11, differences  # 5 models x 2 Opacus modes, the clip share
+    for entry in differences[:-1]:
+        name, value = entry.split(": ", 1)
+        if name == "GPT-2 / Opacus ghost":
+            assert value.startswith("refuses"), value
+        else:  # the same DP step, to float32 rounding
+            assert float(value) < 1e-4, entry
+    assert (tmp_path / "dp_transformers.png").stat().st_size > 0
