@@ -257,12 +257,18 @@ def _largest_rejected_epsilon(
     # The delta-free p-value is smaller, so if it does not reject, nothing above does either.
     if _p_value(num_canaries, num_guesses, num_correct, at_least, 0.0) > significance:
         return at_least
+    return _largest_rejected(rejected, at_least, _EPSILON_TOLERANCE)
+
+
+def _largest_rejected(rejected: Any, at_least: float, tolerance: float) -> float:
+    """The largest epsilon ``>= at_least`` that ``rejected`` refutes, by doubling then
+    bisection to ``tolerance`` (relative above 1); ``at_least`` if it refutes none."""
     if not rejected(at_least):
         return at_least
     low, high = at_least, max(1.0, 2.0 * at_least)
     while rejected(high):
         low, high = high, 2.0 * high
-    while high - low > _EPSILON_TOLERANCE * max(1.0, low):
+    while high - low > tolerance * max(1.0, low):
         middle = 0.5 * (low + high)
         low, high = (middle, high) if rejected(middle) else (low, middle)
     return low
@@ -379,21 +385,14 @@ def epsilon_lower_bound(
     # Most precise first, so that later pairs are mostly ruled out by the cheap delta-free test.
     counts.sort(key=lambda count: -(count[1] + 1) / (count[0] + 2))
     best = 0.0
-    if method == "f-dp":
-        if delta == 0.0:
-            raise PergradValueError(
-                f"{fn}: method='f-dp' needs delta > 0 (no Gaussian mechanism is "
-                f"(epsilon, 0)-DP); got delta={delta!r}."
-            )
-        for num_guesses, num_correct in counts:
-            best = _largest_gaussian_rejected(
-                num_canaries, num_guesses, num_correct, corrected, delta, at_least=best
-            )
-        return best
-    for num_guesses, num_correct in counts:
-        best = _largest_rejected_epsilon(
-            num_canaries, num_guesses, num_correct, corrected, delta, at_least=best
+    if method == "f-dp" and delta == 0.0:
+        raise PergradValueError(
+            f"{fn}: method='f-dp' needs delta > 0 (no Gaussian mechanism is "
+            f"(epsilon, 0)-DP); got delta={delta!r}."
         )
+    largest = _largest_gaussian_rejected if method == "f-dp" else _largest_rejected_epsilon
+    for num_guesses, num_correct in counts:
+        best = largest(num_canaries, num_guesses, num_correct, corrected, delta, at_least=best)
     return best
 
 
@@ -465,15 +464,9 @@ def _largest_gaussian_rejected(
         mu = gaussian_mu(epsilon, delta)
         return _gaussian_rejects(mu, num_canaries, num_guesses, num_correct, significance)
 
-    if num_correct == 0 or not rejected(at_least):
+    if num_correct == 0:
         return at_least
-    low, high = at_least, max(1.0, 2.0 * at_least)
-    while rejected(high):
-        low, high = high, 2.0 * high
-    while high - low > 1e-6 * max(1.0, low):
-        middle = 0.5 * (low + high)
-        low, high = (middle, high) if rejected(middle) else (low, middle)
-    return low
+    return _largest_rejected(rejected, at_least, 1e-6)
 
 
 def epsilon_lower_bound_ceiling(
