@@ -93,3 +93,34 @@ def torch_module_loop_grads(model, loss_fn, inputs: list, targets: list) -> dict
         for name, p in params.items():
             per_example[name].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
     return {name: torch.stack(gs) for name, gs in per_example.items()}
+
+
+def torch_flat_norms(grads: dict) -> Any:
+    """``(B,)`` float64 numpy norms of per-example gradients ``{name: (B, ...)}``, all together."""
+    import torch
+
+    batch = next(iter(grads.values())).shape[0]
+    flat = torch.cat([g.double().reshape(batch, -1) for g in grads.values()], 1)
+    return flat.norm(dim=1).cpu().numpy()
+
+
+def torch_clipped_sum(grads: dict, max_norm: float) -> dict:
+    """``{name: sum_i min(1, max_norm / |g_i|) g_i}`` in float64 numpy, by hand."""
+    import numpy as np
+
+    factors = np.minimum(1.0, max_norm / np.maximum(torch_flat_norms(grads), 1e-30))
+    return {k: np.tensordot(factors, g.double().cpu().numpy(), axes=1) for k, g in grads.items()}
+
+
+def assert_updates_close(got: dict, want: dict, rtol: float) -> None:
+    """Per parameter, error <= rtol x its norm, plus 1e-6 of the whole update (a parameter whose
+    exact gradient is zero, such as an attention's key bias, holds rounding noise)."""
+    import numpy as np
+
+    assert set(got) == set(want)
+    floor = 1e-6 * float(np.sqrt(sum(float((w**2).sum()) for w in want.values())))
+    for name, w in want.items():
+        error = float(np.linalg.norm(got[name] - w))
+        assert error <= rtol * float(np.linalg.norm(w)) + floor, (
+            f"{name}: error {error:.2e}, norm {np.linalg.norm(w):.2e}"
+        )

@@ -20,32 +20,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pergrad  # noqa: E402
-from _reference import torch_module_loop_grads  # noqa: E402
+from _reference import (  # noqa: E402
+    assert_updates_close,
+    torch_clipped_sum,
+    torch_flat_norms,
+    torch_module_loop_grads,
+)
 
 B, T, WIDTH, CLASSES = 4, 6, 16, 3
 RTOL = 1e-5  # float32 models, float64 references
-
-
-def flat_norms(grads: dict) -> np.ndarray:
-    flat = torch.cat([g.double().reshape(B, -1) for g in grads.values()], 1)
-    return flat.norm(dim=1).numpy()
-
-
-def clipped_sum(grads: dict, max_norm: float) -> dict[str, np.ndarray]:
-    factors = np.minimum(1.0, max_norm / np.maximum(flat_norms(grads), 1e-30))
-    return {k: np.tensordot(factors, g.double().numpy(), axes=1) for k, g in grads.items()}
-
-
-def assert_close(got: dict, want: dict) -> None:
-    """Per parameter, error <= RTOL x its norm, plus 1e-6 of the whole (an attention's key
-    bias has a zero gradient: rounding noise)."""
-    assert set(got) == set(want)
-    floor = 1e-6 * float(np.sqrt(sum(float((w**2).sum()) for w in want.values())))
-    for name, w in want.items():
-        error = float(np.linalg.norm(got[name] - w))
-        assert error <= RTOL * float(np.linalg.norm(w)) + floor, (
-            f"{name}: error {error:.2e}, norm {np.linalg.norm(w):.2e}"
-        )
 
 
 class Encoder(nn.Module):
@@ -129,10 +112,10 @@ def test_encoder_with_padding_and_causal_masks_is_ghost_and_the_loops(batch_firs
             err_msg=name,
         )
 
-    max_norm = float(np.median(flat_norms(want)))
+    max_norm = float(np.median(torch_flat_norms(want)))
     updates, stats = dp_step(model, [x, padding], labels, max_norm)
     assert stats.strategy == "ghost"
-    assert_close(updates, clipped_sum(want, max_norm))
+    assert_updates_close(updates, torch_clipped_sum(want, max_norm), rtol=RTOL)
 
 
 class CrossAttention(nn.Module):
@@ -186,17 +169,18 @@ def test_cross_attention_clipped_sum_is_the_loops(kdim, vdim, bias, batch_first,
     assert choice.layers["attention"] == "multihead_attention"
 
     want = torch_module_loop_grads(model, F.cross_entropy, [x, keys, values], [labels])
-    max_norm = float(np.median(flat_norms(want)))
+    max_norm = float(np.median(torch_flat_norms(want)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", pergrad.FallbackWarning)
         norms = pergrad.norms.per_example_norms_of(loss, params, x, keys, values, labels)
         clipped = pergrad.dp.clipped_sum_of(
             loss, params, x, keys, values, labels, max_norm=max_norm
         )
-    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)
-    assert_close(
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
+    assert_updates_close(
         {k: v.detach().double().numpy() for k, v in clipped.sum.items()},
-        clipped_sum(want, max_norm),
+        torch_clipped_sum(want, max_norm),
+        rtol=RTOL,
     )
 
 
@@ -225,7 +209,7 @@ def test_attention_weights_that_reach_the_loss_refuse_the_rule():
     want = torch_module_loop_grads(model, F.cross_entropy, [x], [labels])
     with pytest.warns(pergrad.FallbackWarning, match="attention weights"):
         norms = pergrad.norms.per_example_norms_of(loss, params, x, labels)
-    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
     with pytest.raises(ValueError, match="attention weights"):
         pergrad.norms.per_example_norms_of(loss, params, x, labels, strategy="ghost")
 
@@ -248,7 +232,7 @@ def test_configurations_the_rule_does_not_cover_run_alone(options):
     with warnings.catch_warnings():
         warnings.simplefilter("error", pergrad.FallbackWarning)
         norms = pergrad.norms.per_example_norms_of(loss, params, x, labels)
-    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
 
 
 def test_attention_dropout_is_covered_in_eval_mode_only():

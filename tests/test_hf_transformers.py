@@ -44,7 +44,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import pergrad  # noqa: E402
-from _reference import torch_module_loop_grads  # noqa: E402
+from _reference import (  # noqa: E402
+    assert_updates_close,
+    torch_clipped_sum,
+    torch_flat_norms,
+    torch_module_loop_grads,
+)
 
 transformers.logging.set_verbosity_error()
 
@@ -238,28 +243,6 @@ def paths_taken(choice, params: dict) -> dict[str, str]:
     return paths
 
 
-def flat_norms(grads: dict) -> np.ndarray:
-    flat = torch.cat([g.double().reshape(B, -1) for g in grads.values()], 1)
-    return flat.norm(dim=1).numpy()
-
-
-def clipped_sum(grads: dict, max_norm: float) -> dict[str, np.ndarray]:
-    factors = np.minimum(1.0, max_norm / np.maximum(flat_norms(grads), 1e-30))
-    return {k: np.tensordot(factors, g.double().numpy(), axes=1) for k, g in grads.items()}
-
-
-def assert_close(got: dict, want: dict) -> None:
-    """Per parameter, error <= RTOL x its norm, plus 1e-6 of the whole update (a parameter whose
-    exact gradient is zero, an attention key bias, holds rounding noise)."""
-    assert set(got) == set(want)
-    floor = 1e-6 * float(np.sqrt(sum(float((w**2).sum()) for w in want.values())))
-    for name, w in want.items():
-        error = float(np.linalg.norm(got[name] - w))
-        assert error <= RTOL * float(np.linalg.norm(w)) + floor, (
-            f"{name}: error {error:.2e}, norm {np.linalg.norm(w):.2e}"
-        )
-
-
 def dp_step(model, loss_fn, inputs, targets, max_norm, noise_multiplier=0.0, seed=0):
     """One DPOptimizer step (SGD, lr 0: the model is left as it was); the update each
     parameter got (its ``.grad``, times B), the step's stats and the FallbackWarnings."""
@@ -307,10 +290,10 @@ def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
     build, _, strategy = MODELS[name]
     model, loss_fn, inputs, targets = build()
     per_example = torch_module_loop_grads(model, loss_fn, inputs, targets)
-    norms = flat_norms(per_example)
+    norms = torch_flat_norms(per_example)
     max_norm = float(np.median(norms))
     assert 0 < (norms > max_norm).sum() < B  # some examples clip, some do not
-    want = clipped_sum(per_example, max_norm)
+    want = torch_clipped_sum(per_example, max_norm)
 
     updates, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm)
     if name not in GAPS:
@@ -319,7 +302,7 @@ def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
     assert stats.clip_fraction == pytest.approx((norms > max_norm).mean())
     left_out = [k for k, u in updates.items() if u is None]
     assert not left_out, f"no update for {left_out}"
-    assert_close(updates, want)
+    assert_updates_close(updates, want, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "vit", "transformer-encoder"])
@@ -375,9 +358,9 @@ def test_t5_with_the_relative_bias_frozen_is_ghost_and_the_loops_clipped_sum(hea
         for k, g in torch_module_loop_grads(model, loss_fn, inputs, targets).items()
         if k in trainable
     }
-    norms = flat_norms(per_example)
+    norms = torch_flat_norms(per_example)
     max_norm = float(np.median(norms))
-    want = clipped_sum(per_example, max_norm)
+    want = torch_clipped_sum(per_example, max_norm)
 
     loss = pergrad.module_loss(model, loss_fn)
     choice = pergrad.norms.choose_strategy(loss, loss.params(), *inputs, *targets)
@@ -388,7 +371,7 @@ def test_t5_with_the_relative_bias_frozen_is_ghost_and_the_loops_clipped_sum(hea
     assert stats.strategy == "ghost"
     frozen = {k for k, u in updates.items() if u is not None} - trainable
     assert not frozen, f"a frozen parameter got an update: {frozen}"
-    assert_close({k: updates[k] for k in trainable}, want)
+    assert_updates_close({k: updates[k] for k in trainable}, want, rtol=RTOL)
 
 
 class SharedTable(nn.Module):
@@ -427,12 +410,13 @@ def test_one_table_looked_up_by_two_layers_gets_its_cross_term(tied_head, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", pergrad.FallbackWarning)
         norms = pergrad.norms.per_example_norms_of(loss, params, source, target, labels)
-        max_norm = float(np.median(flat_norms(want)))
+        max_norm = float(np.median(torch_flat_norms(want)))
         clipped = pergrad.dp.clipped_sum_of(loss, params, source, target, labels, max_norm=max_norm)
-    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)
-    assert_close(
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
+    assert_updates_close(
         {k: v.detach().double().numpy() for k, v in clipped.sum.items()},
-        clipped_sum(want, max_norm),
+        torch_clipped_sum(want, max_norm),
+        rtol=RTOL,
     )
 
 
@@ -504,4 +488,4 @@ def test_rms_norm_rule_checks_the_formula(offset, centred):
         assert any("does not compute weight * x" in message for message in fallbacks), fallbacks
     else:
         assert not fallbacks, fallbacks
-    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=RTOL)
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
