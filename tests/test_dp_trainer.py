@@ -69,6 +69,7 @@ def trainer(tmp_path, model, steps=2, accumulation=1, sampling_seed=3, **dp):
         disable_tqdm=True,
     )
     dp.setdefault("noise_multiplier", 0.0)
+    dp.setdefault("sample_rate", RATE)
     return pergrad.dp.DPTrainer(
         model=model,
         args=args,
@@ -76,7 +77,6 @@ def trainer(tmp_path, model, steps=2, accumulation=1, sampling_seed=3, **dp):
         loss_fn=lm_loss,
         max_norm=MAX_NORM,
         delta=DELTA,
-        sample_rate=RATE,
         sampling_generator=torch.Generator().manual_seed(sampling_seed),
         **dp,
     )
@@ -169,6 +169,8 @@ def test_bad_arguments_are_named(tmp_path):
             noise_multiplier=1.0,
             delta=DELTA,
         )
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        trainer(tmp_path, gpt2(), sample_rate=1.5)
     run = trainer(tmp_path, gpt2())
     run.label_name = "targets"
     with pytest.raises(ValueError, match="label_name='targets'"):
