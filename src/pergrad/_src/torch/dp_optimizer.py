@@ -116,7 +116,8 @@ class DPOptimizer:
     batch, and the accountant is unaffected: a contribution of 0 is within the clipping bound,
     so the noise covers it as it covers any other example. Cost: one elementwise ``where`` over
     each layer's recorded activations and output gradients (ghost) or over the batch's inputs
-    (chunked), and one host sync per micro-batch to read the count.
+    (chunked; on the ghost path only when some example's norm is not finite, which one host
+    sync per micro-batch checks), and one host sync per micro-batch to read the count.
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
