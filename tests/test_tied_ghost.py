@@ -250,6 +250,32 @@ def test_cancelling_uses_never_let_a_clipped_example_exceed_the_bound(cancel):
             assert size >= bound * (1 - slack), (i, size, bound, slack)
 
 
+def count_widenings(monkeypatch) -> list:
+    """Record each call of the float64 recomputation of the tied layers' own norms."""
+    from pergrad._src.capture import torch_tied
+
+    seen, widened = [], torch_tied.widened
+    monkeypatch.setattr(torch_tied, "widened", lambda calls: seen.append(1) or widened(calls))
+    return seen
+
+
+def test_only_cancelling_uses_pay_for_float64_copies_of_the_records(monkeypatch):
+    """Copying an LM head's output gradients (B x T x V) to float64 costs more than the rest of
+    the norm: it is done only where some example's uses cancel, as in the Skew model."""
+    widenings = count_widenings(monkeypatch)
+    tokens, targets = tokens_with_repeats(seed=5)
+    loss = pergrad.module_loss(MixedLM(), lm_loss)
+    pergrad.norms.per_example_norms_of(loss, loss.params(), tokens, targets)
+    assert widenings == []
+    model = Skew(1e-3, seed=3)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
+    weights = torch.randn(BATCH, LENGTH, generator=g)
+    loss = pergrad.module_loss(model, own_logits)
+    pergrad.norms.per_example_norms_of(loss, loss.params(), tokens, tokens, weights)
+    assert widenings  # the norms themselves are checked by the test above
+
+
 class TwoLinears(nn.Module):
     """Two linear layers sharing one weight: no cross rule for that pair."""
 

@@ -13,14 +13,21 @@ parameter each side shares, one small function a pair, in either order: (embeddi
 and (embedding, embedding) below. A tie between families without one is not ghosted
 (``ghost_torch.plan`` refuses it, naming the pair).
 
-Precision: the layers' calls are widened to float64 (:func:`widened`) before the rules and the
-cross rules see them. A tied gradient may nearly cancel (``g_1 ~ -g_2``); the sum above then
-rounds by ``eps (|g_1| + |g_2|)^2``, which in float32 under-estimates ``|g|^2`` by far more
-than its own size allows, and an example clipped by that norm exceeds the clipping bound. MPS
-has no float64: there the model's dtype is kept.
+Precision: a tied gradient may nearly cancel (``g_1 ~ -g_2``); the sum above then rounds by
+about ``eps (|g_1|^2 + |g_2|^2)``, which in float32 under-estimates ``|g|^2`` by far more than its
+own size allows, and an example clipped by that norm exceeds the clipping bound. So the cross
+terms and the sum are computed in float64 (from the small records: an embedding's output
+gradients, the projection's inputs and its output gradients gathered at the looked-up ids; never
+a ``B x T x V`` copy), the uses' own norms in the model's dtype as for any layer, and
+:func:`well_conditioned` tells whether that suffices: where the sum is at least
+:data:`CANCELLATION_FLOOR` of the own norms, their float32 rounding is at most ``1 /
+CANCELLATION_FLOOR`` times its usual relative size in the total. Otherwise the caller recomputes
+the own norms on float64 copies of the calls (:func:`widened`). MPS has no float64: there the
+model's dtype is kept.
 
-    uses = [Use(model.emb, "weight", widened(emb_calls)), Use(model.head, "weight", ...)]
-    tied_squared_norms(uses, [emb_norms, head_norms])   # (B,)
+    uses = [Use(model.emb, "weight", emb_calls), Use(model.head, "weight", head_calls)]
+    total = tied_squared_norms(uses, [emb_norms, head_norms])   # (B,) float64
+    well_conditioned(total, [emb_norms, head_norms])            # else: widened(...) and again
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ from pergrad._src.errors import GhostUnsupported
 # cross(layer_a, calls_a, layer_b, calls_b) -> (B,) per-example <g_a, g_b> of the parameter the
 # two layers share, from their LayerCall records of one batched pass.
 CrossFn = Callable[[Any, list[LayerCall], Any, list[LayerCall]], torch.Tensor]
+
+# The sum of a tied parameter's terms must be at least this fraction of its uses' own squared
+# norms for those norms' model-dtype rounding to be kept (see the module docstring).
+CANCELLATION_FLOOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class Use:
     Attributes:
       layer: the module.
       parameter: the attribute under which it holds the parameter (``"weight"``).
-      calls: its calls in the pass, as :func:`widened` gives them.
+      calls: its calls in the pass, in the model's dtype or :func:`widened`.
     """
 
     layer: nn.Module
@@ -107,33 +118,44 @@ class Use:
     calls: list[LayerCall]
 
 
+def wide(x: Any) -> Any:
+    """A floating-point tensor in float64 (on MPS, which has no float64, as it is); anything else
+    as it is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "mps":
+        return x.double()
+    return x
+
+
 def widened(calls: list[LayerCall]) -> list[LayerCall]:
     """``calls`` with their floating-point inputs and output gradients in float64 (on MPS, which
     has no float64, as they are)."""
-
-    def wide(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "mps":
-            return x.double()
-        return x
-
     return [LayerCall(tuple(wide(x) for x in c.inputs), wide(c.output_grad)) for c in calls]
+
+
+def well_conditioned(total: torch.Tensor, squared_norms: list[torch.Tensor]) -> bool:
+    """Whether every example's tied squared norm ``total`` is at least
+    :data:`CANCELLATION_FLOOR` of the sum of its uses' own ``squared_norms``: then the own
+    norms' rounding in the model's dtype stays small in the total."""
+    own = sum(wide(norms) for norms in squared_norms)
+    return bool((total >= CANCELLATION_FLOOR * own).all())
 
 
 def tied_squared_norms(uses: list[Use], squared_norms: list[torch.Tensor]) -> torch.Tensor:
     """``(B,)`` squared norms of a parameter shared by ``uses`` (at least one), given each use's
-    own ``(B,)`` squared norms: their sum plus twice every pair's cross term.
+    own ``(B,)`` squared norms: their sum plus twice every pair's cross term, in float64 (on MPS
+    in the model's dtype).
 
-    The exact value is ``|g|^2 >= 0``; the sum of the terms can round below zero by about
-    ``eps (|g_1| + |g_2|)^2`` where the uses cancel, so it is clamped at zero.
+    The exact value is ``|g|^2 >= 0``; the sum of the terms can round below zero where the uses
+    cancel, so it is clamped at zero (:func:`well_conditioned` says when to widen the calls).
     """
-    total = squared_norms[0]
+    total = wide(squared_norms[0])
     for own in squared_norms[1:]:
-        total = total + own
+        total = total + wide(own)
     for first, second in combinations(uses, 2):
         cross = cross_rule(_family(first), _family(second))
         if cross is None:  # the plan refuses such ties before running
             raise GhostUnsupported(f"no cross rule for {_family(first)} and {_family(second)}")
-        total = total + 2 * cross(first.layer, first.calls, second.layer, second.calls)
+        total = total + 2 * wide(cross(first.layer, first.calls, second.layer, second.calls))
     return total.clamp_min(0)
 
 
@@ -165,9 +187,9 @@ def embedding_linear_cross(
     inputs, grads = torch_layers.tokens(
         linear_calls, embedding.embedding_dim, embedding.num_embeddings
     )
-    at_ids = torch.gather(grads, 2, ids.unsqueeze(1).expand(-1, grads.shape[1], -1))
-    products = inputs.to(rows.dtype) @ rows.transpose(1, 2)
-    return (at_ids.to(rows.dtype) * products).sum((1, 2))
+    at_ids = wide(torch.gather(grads, 2, ids.unsqueeze(1).expand(-1, grads.shape[1], -1)))
+    products = wide(inputs) @ wide(rows).transpose(1, 2)  # (B, T, S), each a sum over D
+    return (at_ids.to(products.dtype) * products).sum((1, 2))
 
 
 @register_cross("embedding", "embedding")
@@ -189,6 +211,7 @@ def embedding_embedding_cross(
     """
     _, first_grads, first_keys = torch_layers.lookups(first, first_calls)
     _, second_grads, second_keys = torch_layers.lookups(second, second_calls)
+    first_grads, second_grads = wide(first_grads), wide(second_grads)
     batch, width = first_grads.shape[0], first.embedding_dim
     unique_keys, row_of_position = torch.unique(
         torch.cat([first_keys, second_keys]), return_inverse=True

@@ -37,8 +37,9 @@ What the hooks cannot see, and how it is handled:
 - a parameter shared by several layers (tied weights: GPT-2's input embedding reused as its
   output projection): its per-example gradient is the sum of each layer's, so its squared norm
   adds each layer's and twice the inner product of every pair, which a *cross rule* for the
-  two layer families gives from their calls (``torch_tied.py``, in float64: a tied gradient
-  may nearly cancel), and its clipped sum adds each layer's. A tie between families without a
+  two layer families gives from their calls (``torch_tied.py``: the cross terms in float64,
+  and where some example's uses nearly cancel, every term from float64 copies of the calls),
+  and its clipped sum adds each layer's. A tie between families without a
   cross rule, or with a layer without a rule, is found before running and takes the chunked
   strategy, as above;
 - where the batch is. A layer is hooked only if axis 0 of its input and output has the batch
@@ -729,17 +730,34 @@ def _tied_squared_norms(
     canonical: dict[str, str],
 ) -> dict[str, torch.Tensor]:
     """Squared norms of the parameters of the layers that share one (``tied``: name ->
-    ``(module name, attribute)`` of each use): each layer's rule on float64 copies of its calls
-    gives its own parameters' norms, and each shared parameter's adds its uses' norms and their
-    cross terms (``torch_tied.py``). Layers whose output did not reach the loss add nothing."""
+    ``(module name, attribute)`` of each use): each layer's rule gives its own parameters'
+    norms, and each shared parameter's adds its uses' norms and their cross terms in float64
+    (``torch_tied.py``). Where some example's uses nearly cancel, the rules run again on float64
+    copies of the calls. Layers whose output did not reach the loss add nothing."""
     sharing = sorted({owner for owners in tied.values() for owner, _ in owners})
-    wide = {owner: torch_tied.widened(layer_calls(owner, records[owner])) for owner in sharing}
-    result = {}
+    calls = {owner: layer_calls(owner, records[owner]) for owner in sharing}
+    result, exact_enough = _tied_pass(modules, calls, params, tied, canonical)
+    if not exact_enough:
+        wide = {owner: torch_tied.widened(owner_calls) for owner, owner_calls in calls.items()}
+        result, _ = _tied_pass(modules, wide, params, tied, canonical)
+    return result
+
+
+def _tied_pass(
+    modules: dict[str, nn.Module],
+    calls: dict[str, list[LayerCall]],
+    params: dict[str, torch.Tensor],
+    tied: dict[str, list[tuple[str, str]]],
+    canonical: dict[str, str],
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """:func:`_tied_squared_norms` from the sharing layers' ``calls`` as they are, and whether
+    every tied sum is :func:`torch_tied.well_conditioned` (always, for float64 calls)."""
+    result, exact_enough = {}, True
     with torch.no_grad():
         own = {
-            owner: rule_for(modules[owner]).squared_norms(modules[owner], wide[owner])
-            for owner in sharing
-            if wide[owner]
+            owner: rule_for(modules[owner]).squared_norms(modules[owner], owner_calls)
+            for owner, owner_calls in calls.items()
+            if owner_calls
         }
         for owner, values in own.items():
             for param_name, value in values.items():
@@ -749,12 +767,14 @@ def _tied_squared_norms(
         for name, owners in tied.items():
             present = [(owner, attribute) for owner, attribute in owners if owner in own]
             if present:
+                terms = [own[o][a] for o, a in present]
                 total = torch_tied.tied_squared_norms(
-                    [torch_tied.Use(modules[o], a, wide[o]) for o, a in present],
-                    [own[o][a] for o, a in present],
+                    [torch_tied.Use(modules[o], a, calls[o]) for o, a in present], terms
                 )
+                wide = all(t.dtype == torch.float64 for t in terms)
+                exact_enough &= wide or torch_tied.well_conditioned(total, terms)
                 result[name] = total.to(params[name].dtype)
-    return result
+    return result, exact_enough
 
 
 def _fill_zeros(
