@@ -431,3 +431,23 @@ def test_a_layout_is_checked_again_at_a_new_batch_size():
     with pytest.warns(pergrad.FallbackWarning, match="other examples"):
         norms = pergrad.norms.per_example_norms_of(loss, loss.params(), *square)
     assert_close(norms, flat(reference).norm(dim=1))
+
+
+@pytest.mark.parametrize("block", [1, 7])
+def test_rows_compared_a_few_numbers_at_a_time_keep_both_verdicts(monkeypatch, block):
+    """The first call's row check reads an output gradient a block of rows at a time (an LM
+    head's B x T x V would otherwise be copied whole, several times): with blocks of one row,
+    or of rows that do not divide the batch, a time-first layer is still refused and a row-local
+    model still passes, with the loop's norms."""
+    from pergrad._src.capture import torch_checks
+
+    monkeypatch.setattr(torch_checks, "ROW_BLOCK_NUMBERS", block)
+    torch.manual_seed(0)
+    model = TimeFirstLinear().double()
+    loss, batch, _ = reproduction(model, torch.randn(2, 2, WIDTH, dtype=torch.float64))
+    with pytest.raises(ValueError, match="'fc'.*other examples"):
+        pergrad.norms.per_example_norms_of(loss, loss.params(), *batch, strategy="ghost")
+    model = nn.Sequential(nn.Linear(WIDTH, 9), nn.Tanh(), nn.Linear(9, 3)).double()
+    loss, batch, reference = reproduction(model, torch.randn(5, WIDTH, dtype=torch.float64))
+    norms = pergrad.norms.per_example_norms_of(loss, loss.params(), *batch, strategy="ghost")
+    assert_close(norms, flat(reference).norm(dim=1))

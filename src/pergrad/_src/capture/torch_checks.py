@@ -83,31 +83,56 @@ def check_rows(
 
     Args:
       records: layer name -> its call records, each with an ``output_grad`` ``(B, ...)`` (or
-        None) from the backward pass of ``sum_b loss_b``. Left as they were.
+        None) from the backward pass of ``sum_b loss_b`` and a ``watch`` slot that its tensor
+        hook hands later gradients to (``torch_engine.LayerRecord.receive``). Left as they were.
       weighted_backward: runs the backward pass of ``sum_b weights[b] * loss_b`` through the
-        same graph, so that the records' tensor hooks overwrite ``output_grad`` (or, where
-        reentrant checkpointing reruns the forward pass inside the backward pass, so that new
-        records are appended, in the same order; they are removed again).
+        same graph, so that the records' tensor hooks fire again (or, where reentrant
+        checkpointing reruns the forward pass inside the backward pass, so that new records
+        are appended, in the same order; they are removed again).
       weights: ``(B,)``, as :func:`row_weights` gives.
+
+    Each weighted gradient is compared as its hook receives it and then dropped, so the pass
+    holds one layer's second gradient at a time, not a second copy of every record's.
     """
     plain = {name: [(r, r.output_grad) for r in rs] for name, rs in records.items()}
+    seen: set[int] = set()
+    problems: list[str] = []
+
+    def watcher(name: str, record: Any, first: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def watch(second: torch.Tensor) -> None:
+            seen.add(id(record))
+            if not problems and not _row_local(first, second, weights):
+                problems.append(name)
+
+        return watch
+
+    for name, before in plain.items():
+        for record, first in before:
+            if first is not None:
+                record.watch = watcher(name, record, first)
     try:
         weighted_backward(weights)
+        if problems:
+            raise GhostUnsupported(_row_problem(problems[0]))
         for name, before in plain.items():
             reached = [(r, first) for r, first in before if first is not None]
+            # Reentrant checkpointing reruns the forward pass inside the backward pass: its
+            # new records, in order, pair with the first ones (whose hooks did not fire).
             rerun = [r.output_grad for r in records[name][len(before) :]]
             rerun = [g for g in rerun if g is not None]
-            # Reentrant checkpointing reruns the forward pass inside the backward pass: its
-            # new records, in order, pair with the first ones.
-            seconds = rerun or [r.output_grad for r, _ in reached]
-            if len(seconds) != len(reached):
+            if rerun:
+                if len(rerun) != len(reached):
+                    raise GhostUnsupported(_row_problem(name))
+                for (_, first), second in zip(reached, rerun):
+                    if not _row_local(first, second, weights):
+                        raise GhostUnsupported(_row_problem(name))
+            elif any(id(r) not in seen for r, _ in reached):
                 raise GhostUnsupported(_row_problem(name))
-            for (_, first), second in zip(reached, seconds):
-                _check_record(name, first, second, weights)
     finally:
         for name, before in plain.items():
             del records[name][len(before) :]
             for record, first in before:
+                record.watch = None
                 record.output_grad = first
 
 
@@ -115,11 +140,18 @@ def records_finite(records: dict[str, list[Any]]) -> bool:
     """Whether every captured output gradient is finite: an overflowing pass (float16 under
     too large a loss scale) says nothing about where the batch is, so it is not checked."""
     return all(
-        bool(torch.isfinite(r.output_grad).all())
+        all_finite(r.output_grad)
         for rs in records.values()
         for r in rs
         if r.output_grad is not None
     )
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """``torch.isfinite(x).all()`` for ``(B, ...)``, :data:`ROW_BLOCK_NUMBERS` numbers (or one
+    row) at a time."""
+    rows = max(1, ROW_BLOCK_NUMBERS // max(1, x[0].numel())) if x.dim() else 1
+    return all(bool(torch.isfinite(block).all()) for block in (x.split(rows) if x.dim() else [x]))
 
 
 def _row_problem(name: str) -> str:
@@ -130,29 +162,42 @@ def _row_problem(name: str) -> str:
     )
 
 
-def _check_record(
-    name: str, first: torch.Tensor, weighted: torch.Tensor | None, weights: torch.Tensor
-) -> None:
-    if weighted is None:
-        raise GhostUnsupported(_row_problem(name))
-    scale = weights.to(first.dtype).reshape(-1, *[1] * (first.dim() - 1))
-    unweighted = (weighted.detach() / scale).flatten(1)
-    if not rows_match(unweighted, first.detach().flatten(1)):
-        raise GhostUnsupported(_row_problem(name))
+def _row_local(first: torch.Tensor, weighted: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether ``weighted`` (a layer's output gradient of ``sum_b weights[b] loss_b``) is row
+    ``b`` of ``first`` (of ``sum_b loss_b``) times ``weights[b]``, for every ``b``."""
+    return rows_match(weighted.detach().flatten(1), first.detach().flatten(1), divide_by=weights)
 
 
-def rows_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+# rows_match reads its rows this many numbers at a time: an LM head's output gradient (B x T x
+# V) compared whole would take several copies of it in float64 on a layout's first call.
+ROW_BLOCK_NUMBERS = 2**22
+
+
+def rows_match(
+    got: torch.Tensor, want: torch.Tensor, divide_by: torch.Tensor | None = None
+) -> bool:
     """Whether ``(B, n)`` rows agree, each within the dtype's tolerance of its norm (plus a
-    share of the largest row's, for rows that cancel to rounding noise). Entries that are not
-    finite (an example with a nan input, which a clipped sum zeroes) must be so in both: they
-    are compared by where they are, the others by value."""
-    finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)):
-        return False
-    got, want = torch.where(finite, got, 0.0), torch.where(finite, want, 0.0)
+    share of the largest row's, for rows that cancel to rounding noise), row ``b`` of ``got``
+    divided by ``divide_by[b]`` first if given. Entries that are not finite (an example with a
+    nan input, which a clipped sum zeroes) must be so in both: they are compared by where they
+    are, the others by value. Read :data:`ROW_BLOCK_NUMBERS` numbers at a time."""
     relative, absolute = _ROW_TOLERANCE.get(checked_dtype(want), _LOW_PRECISION_TOLERANCE)
-    error = torch.linalg.vector_norm((got - want).double(), dim=1)
-    size = torch.linalg.vector_norm(want.double(), dim=1)
+    rows = max(1, ROW_BLOCK_NUMBERS // max(1, want[0].numel()))
+    errors, sizes = [], []
+    for start in range(0, want.shape[0], rows):
+        got_rows, want_rows = got[start : start + rows], want[start : start + rows]
+        if divide_by is not None:
+            scale = divide_by[start : start + rows].to(want_rows.dtype).unsqueeze(1)
+            got_rows = got_rows / scale
+        finite = torch.isfinite(want_rows)
+        if not torch.equal(finite, torch.isfinite(got_rows)):
+            return False
+        if not bool(finite.all()):
+            got_rows = torch.where(finite, got_rows, 0.0)
+            want_rows = torch.where(finite, want_rows, 0.0)
+        errors.append(torch.linalg.vector_norm((got_rows - want_rows).double(), dim=1))
+        sizes.append(torch.linalg.vector_norm(want_rows.double(), dim=1))
+    error, size = torch.cat(errors), torch.cat(sizes)
     return bool((error <= relative * size + absolute * size.max()).all())
 
 

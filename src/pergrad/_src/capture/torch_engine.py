@@ -19,7 +19,7 @@ own tensors.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +77,16 @@ class LayerRecord:
     # changed it) reaches the output gradient without any weight gradient (ghost_torch.capture).
     output: torch.Tensor | None = None
     output_version: int = -1
+    # Set by torch_checks.check_rows for its second backward pass: takes that pass's output
+    # gradient instead of output_grad, which keeps the first pass's.
+    watch: Callable[[torch.Tensor], None] | None = None
+
+    def receive(self, grad: torch.Tensor) -> None:
+        """The output gradient of a backward pass (the tensor hook's)."""
+        if self.watch is not None:
+            self.watch(grad)
+        else:
+            self.output_grad = grad
 
 
 @contextmanager
@@ -115,9 +125,7 @@ def capturing(
         records[name].append(record)
         if recorded.output.requires_grad:
             axis = recorded.batch_axis
-            recorded.output.register_hook(
-                lambda grad: setattr(record, "output_grad", grad.movedim(axis, 0))
-            )
+            recorded.output.register_hook(lambda grad: record.receive(grad.movedim(axis, 0)))
             record.output, record.output_version = recorded.output, recorded.output._version
         for other in recorded.unread:
             if isinstance(other, torch.Tensor) and other.requires_grad:

@@ -30,7 +30,7 @@ on axis 0 (the first element of a tuple output), or the run is refused the same 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +80,14 @@ class UnitCall:
     kwargs: dict[str, Any]
     output: torch.Tensor
     output_grad: torch.Tensor | None = None
+    watch: Callable[[torch.Tensor], None] | None = None  # as LayerRecord's
+
+    def receive(self, grad: torch.Tensor) -> None:
+        """The output gradient of a backward pass (the tensor hook's)."""
+        if self.watch is not None:
+            self.watch(grad)
+        else:
+            self.output_grad = grad
 
 
 @contextmanager
@@ -99,7 +107,7 @@ def capturing_units(
         record = UnitCall(args, dict(kwargs), first.detach())
         records[name].append(record)
         if first.requires_grad:
-            first.register_hook(lambda grad: setattr(record, "output_grad", grad))
+            first.register_hook(record.receive)
 
     handles = [
         module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
