@@ -1,6 +1,9 @@
-"""pergrad.dp's canaries and auditor: the canaries do what they say, and one audited DP-SGD run
-on digits passes when correct and is caught when broken (JAX and PyTorch, materialised
-per-example gradients; 1000 white-box gradient canaries)."""
+"""pergrad.dp's canaries and auditor: the canaries do what they say, and audited DP-SGD runs on
+digits pass when correct and are caught when broken: no noise, no clipping, noise per
+micro-batch under gradient accumulation, noise scaled by the realised batch size (JAX and
+PyTorch, materialised per-example gradients; 1000 white-box gradient canaries). pergrad's own
+DP paths (DPOptimizer, optax_aggregate, private_grad_of) are audited in
+test_dp_audit_paths.py."""
 
 from __future__ import annotations
 
@@ -268,14 +271,21 @@ def test_bad_input_names_the_argument(call, error, words):
     assert words in str(info.value)
 
 
-# --- evidence: one audited DP-SGD run on digits ---------------------------------------------
+# --- evidence: audited DP-SGD runs on digits --------------------------------------------------
 #
 # A 64-32-10 MLP (2410 parameters) on scikit-learn's 1797 digits, Poisson sample rate 0.05,
-# 100 steps, clip 1, delta 1e-5; 1000 Dirac gradient canaries of norm 1 (100 to test
-# clipping), scored against a reference run without canaries (independent noise and batches).
-# The correct run must stay below its claim; each break must be caught.
+# 100 steps, clip 1, delta 1e-5, DP-SGD written with pergrad's framework-free pieces
+# (per-example gradients, ``dp.private_mean`` / ``clipped_sum`` / ``add_noise``). Each audit
+# injects 1000 Dirac gradient canaries of norm 1 (100 to test clipping), whose ceiling,
+# ``epsilon_lower_bound_ceiling(1000, 1e-5)`` = 5.06, is above every claim below, and scores
+# them against one reference run per framework: no canaries, no noise, its own batches, shared
+# by the module's audits. The bound only needs the reference to be independent of each audited
+# run's coins, noise and batches, which it is; without noise it removes the data's movement
+# along the canary directions and adds none of its own. One training run per audit, then.
+# The correct runs must stay below their claims; each break must be caught.
 
 SAMPLE_RATE, STEPS, MAX_NORM, LR, HIDDEN, NUM_CANARIES = 0.05, 100, 1.0, 0.5, 32, 1000
+MICRO_BATCHES = 64  # the micro-batches of one logical step, for the accumulation break
 
 
 def digits():
@@ -294,16 +304,87 @@ def initial_weights():
     }
 
 
-def audit_with_reference(run, start, claimed_noise, canary_norm=1.0):
-    """``dp.audit`` of ``run(canaries, seed) -> final params``, scored against a reference
-    run without canaries (its own seed: independent noise and batches)."""
+# The implementations under audit: ``(grads, mask, noise_multiplier, rng, expected_batch_size)
+# -> the step's private mean gradient``, for per-example gradients of either framework.
+
+
+def correct(grads, mask, noise_multiplier, rng, expected_batch_size):
+    return dp.private_mean(grads, MAX_NORM, noise_multiplier, rng, expected_batch_size, mask)[0]
+
+
+def without_clipping(grads, mask, noise_multiplier, rng, expected_batch_size):
+    """The break: no clipping, the noise still calibrated to the clipping bound."""
+    summed = dp.clipped_sum(grads, 1e9, mask).sum  # a bound no gradient reaches
+    noisy = dp.add_noise(summed, noise_multiplier * MAX_NORM, rng)
+    return {name: value / expected_batch_size for name, value in noisy.items()}
+
+
+def noise_over_batch_size(grads, mask, noise_multiplier, rng, expected_batch_size):
+    """The break: noise calibrated to the MEAN over the realised batch, added to the SUM.
+
+    The clipped mean over the batch actually drawn, ``sum / |B|``, changes by at most
+    ``C / |B|`` when one example comes or goes, so this implementation draws noise of std
+    ``sigma * C / |B|``, but adds it to the clipped sum (sensitivity ``C``) before dividing
+    by ``q * N``: the noise is ``|B|`` times (here about 115 times) too small. (Dividing a
+    correctly noised sum by ``|B|`` instead of ``q * N`` would also be a bug, but a tiny leak:
+    it rescales the whole update by ``q * N / |B|``, close to 1, which this audit cannot see.)
+    """
+    clipped = dp.clipped_sum(grads, MAX_NORM, mask)
+    unit = dp.add_noise({name: value * 0 for name, value in clipped.sum.items()}, 1.0, rng)
+    std = noise_multiplier * MAX_NORM / clipped.count  # the realised |B|: a traced number
+    return {
+        name: (value + std * unit[name]) / expected_batch_size
+        for name, value in clipped.sum.items()
+    }
+
+
+def noise_per_micro_batch(grads, mask, noise_multiplier, rng, expected_batch_size):
+    """The break: gradient accumulation that noises every micro-batch with ``sigma / k``.
+
+    One logical step of ``k = 64`` micro-batches (example ``i`` in micro-batch ``i mod k``);
+    each micro-batch's clipped sum gets its own noise draw of std ``(sigma / k) * C`` before
+    the sums are accumulated, "so that the k draws add up to the step's noise ``sigma * C``".
+    Standard deviations do not add, variances do: the step's noise has std
+    ``sigma * C / sqrt(k)``, 8 times too small. (Noising each micro-batch with the full
+    ``sigma * C`` would over-noise, ``sqrt(k)`` times: private but wasteful.) All micro-batches
+    are computed at once: each example clipped (``dp.clip``), summed by micro-batch, noised.
+    """
+    clipped = dp.clip(grads, MAX_NORM)
+    batch_size = next(iter(grads.values())).shape[0]
+    membership = np.arange(batch_size) % MICRO_BATCHES == np.arange(MICRO_BATCHES)[:, None]
+    membership = like(membership.astype(np.float32), clipped)
+    if mask is not None:  # padding rows belong to no micro-batch
+        membership = membership * mask
+    micro_sums = {
+        name: (membership @ value.reshape(batch_size, -1)).reshape(-1, *value.shape[1:])
+        for name, value in clipped.items()
+    }  # leaves (k, *param_shape)
+    noisy = dp.add_noise(micro_sums, noise_multiplier / MICRO_BATCHES * MAX_NORM, rng)
+    return {name: value.sum(0) / expected_batch_size for name, value in noisy.items()}
+
+
+def like(array, grads):
+    """``array`` (numpy) in the framework of ``grads``."""
+    leaf = next(iter(grads.values()))
+    if type(leaf).__module__.startswith("torch"):
+        import torch
+
+        return torch.from_numpy(array)
+    import jax.numpy as jnp
+
+    return jnp.asarray(array)
+
+
+def audit_run(runner, reference, implementation, noise_multiplier, claimed_noise, norm=1.0):
+    """``dp.audit`` of one run of ``implementation`` with 1000 canaries, against the shared
+    reference (the audited run has its own seed: its own noise and batches)."""
     canaries = dp.GradientCanaries(
-        start, NUM_CANARIES, sample_rate=SAMPLE_RATE, seed=7, norm=canary_norm
+        runner.start, NUM_CANARIES, sample_rate=SAMPLE_RATE, seed=7, norm=norm
     )
 
     def train(canaries):
-        reference = run(None, seed=101)
-        return canaries.scores(run(canaries, seed=202), reference=reference)
+        final = runner.run(implementation, noise_multiplier, canaries, seed=202)
+        return canaries.scores(final, reference=reference)
 
     return dp.audit(
         train,
@@ -315,83 +396,101 @@ def audit_with_reference(run, start, claimed_noise, canary_norm=1.0):
     )
 
 
-def jax_audit(noise_multiplier, claimed_noise, clipping=True, canary_norm=1.0):
-    """One audit of DP-SGD written with pergrad in JAX (two training runs)."""
-    jax = pytest.importorskip("jax", reason="the JAX path")
-    jnp = jax.numpy
-    import pergrad
+class JaxDPSGD:
+    """DP-SGD in JAX with pergrad: per-example gradients under ``jax.jit``, canaries injected
+    on the host, then one jitted step per (implementation, noise multiplier), compiled once
+    for the module. Batches and canary rows are padded to one shape each, so nothing
+    recompiles. The noise keys are ``rbg`` keys: they compile several times faster than the
+    default threefry on the CPU, and are as good a noise source for an audit."""
 
-    x, y = digits()
-    n = len(x)
+    def __init__(self):
+        jax = pytest.importorskip("jax", reason="the JAX path")
+        import pergrad
 
-    def loss(params, xi, yi):
-        hidden = jnp.tanh(xi @ params["w1"] + params["b1"])
-        return -jax.nn.log_softmax(hidden @ params["w2"] + params["b2"])[yi]
+        self.jax, jnp = jax, jax.numpy
+        self.x, self.y = digits()
+        self.n = len(self.x)
+        self.size = dp.max_batch_size_for(self.n, SAMPLE_RATE)
+        self.canary_rows = dp.max_batch_size_for(NUM_CANARIES, SAMPLE_RATE)
 
-    per_example = jax.jit(pergrad.per_example_grads(loss))
+        def loss(params, xi, yi):
+            hidden = jnp.tanh(xi @ params["w1"] + params["b1"])
+            return -jax.nn.log_softmax(hidden @ params["w2"] + params["b2"])[yi]
 
-    @jax.jit
-    def step(params, grads, mask, key):
-        if clipping:
-            update, _ = dp.private_mean(
-                grads, MAX_NORM, noise_multiplier, key, SAMPLE_RATE * n, mask
-            )
-        else:  # the break: no clipping, noise still calibrated to the clipping bound
-            summed = dp.clipped_sum(grads, 1e9, mask).sum
-            noisy = dp.add_noise(summed, noise_multiplier * MAX_NORM, key)
-            update = jax.tree.map(lambda v: v / (SAMPLE_RATE * n), noisy)
-        return jax.tree.map(lambda p, u: p - LR * u, params, update)
+        self.per_example = jax.jit(pergrad.per_example_grads(loss))
+        self.start = self.params()
+        self.steps = {}
 
-    def run(canaries, seed):
-        params = {k: jnp.asarray(v) for k, v in initial_weights().items()}
-        key = jax.random.key(seed)
-        size = dp.max_batch_size_for(n, SAMPLE_RATE)
-        for index, batch in enumerate(dp.poisson_batches(n, SAMPLE_RATE, STEPS, seed=seed)):
-            padded, mask = dp.pad_batch(batch, size)
-            grads, mask = per_example(params, x[padded], y[padded]), jnp.asarray(mask)
-            if canaries is not None:  # padded: one shape, so jax.jit compiles once
-                pad = dp.max_batch_size_for(canaries.num_included, SAMPLE_RATE)
-                grads, mask = canaries.inject(grads, mask, index, pad_to=pad)
+    def params(self):
+        return {k: self.jax.numpy.asarray(v) for k, v in initial_weights().items()}
+
+    def step(self, implementation, noise_multiplier):
+        jax = self.jax
+        if (implementation, noise_multiplier) not in self.steps:
+
+            @jax.jit
+            def step(params, grads, mask, key):
+                update = implementation(grads, mask, noise_multiplier, key, SAMPLE_RATE * self.n)
+                return jax.tree.map(lambda p, u: p - LR * u, params, update)
+
+            self.steps[implementation, noise_multiplier] = step
+        return self.steps[implementation, noise_multiplier]
+
+    def run(self, implementation, noise_multiplier, canaries, seed):
+        jax, jnp = self.jax, self.jax.numpy
+        step = self.step(implementation, noise_multiplier)
+        params, key = self.params(), jax.random.key(seed, impl="rbg")
+        for index, batch in enumerate(dp.poisson_batches(self.n, SAMPLE_RATE, STEPS, seed=seed)):
+            padded, mask = dp.pad_batch(batch, self.size)
+            grads = self.per_example(params, self.x[padded], self.y[padded])
+            if canaries is not None:
+                grads, mask = canaries.inject(grads, mask, index, pad_to=self.canary_rows)
+            else:  # the same shape as with canaries: masked rows of zeros
+                pad = self.canary_rows
+                grads = {
+                    k: jnp.concatenate([g, jnp.zeros((pad, *g.shape[1:]))])
+                    for k, g in grads.items()
+                }
+                mask = np.concatenate([mask, np.zeros(pad, bool)])
             key, noise_key = jax.random.split(key)
-            params = step(params, grads, mask, noise_key)
+            params = step(params, grads, jnp.asarray(mask), noise_key)
         return params
 
-    start = {k: jnp.asarray(v) for k, v in initial_weights().items()}
-    return audit_with_reference(run, start, claimed_noise, canary_norm)
 
+class TorchDPSGD:
+    """The same DP-SGD in PyTorch (batches unpadded, noise from a seeded ``torch.Generator``)."""
 
-def torch_audit(noise_multiplier, claimed_noise):
-    """The same audit with DP-SGD written with pergrad in PyTorch."""
-    torch = pytest.importorskip("torch", reason="the PyTorch path")
-    import pergrad
+    def __init__(self):
+        torch = pytest.importorskip("torch", reason="the PyTorch path")
+        import pergrad
 
-    x_numpy, y_numpy = digits()
-    x, y = torch.from_numpy(x_numpy), torch.from_numpy(y_numpy)
-    n = len(x)
+        self.torch = torch
+        x, y = digits()
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+        self.n = len(x)
 
-    def loss(params, xi, yi):
-        hidden = torch.tanh(xi @ params["w1"] + params["b1"])
-        logits = hidden @ params["w2"] + params["b2"]
-        return torch.nn.functional.cross_entropy(logits[None], yi[None])
+        def loss(params, xi, yi):
+            hidden = torch.tanh(xi @ params["w1"] + params["b1"])
+            logits = hidden @ params["w2"] + params["b2"]
+            return torch.nn.functional.cross_entropy(logits[None], yi[None])
 
-    per_example = pergrad.per_example_grads(loss)
+        self.per_example = pergrad.per_example_grads(loss)
+        self.start = self.params()
 
-    def run(canaries, seed):
-        params = {k: torch.from_numpy(v) for k, v in initial_weights().items()}
-        generator = torch.Generator().manual_seed(seed)
-        for index, batch in enumerate(dp.poisson_batches(n, SAMPLE_RATE, STEPS, seed=seed)):
+    def params(self):
+        return {k: self.torch.from_numpy(v) for k, v in initial_weights().items()}
+
+    def run(self, implementation, noise_multiplier, canaries, seed):
+        torch = self.torch
+        params, generator = self.params(), torch.Generator().manual_seed(seed)
+        for index, batch in enumerate(dp.poisson_batches(self.n, SAMPLE_RATE, STEPS, seed=seed)):
             batch = torch.as_tensor(batch)
-            grads, mask = per_example(params, x[batch], y[batch]), None
+            grads, mask = self.per_example(params, self.x[batch], self.y[batch]), None
             if canaries is not None:
                 grads, mask = canaries.inject(grads, mask, index)
-            update, _ = dp.private_mean(
-                grads, MAX_NORM, noise_multiplier, generator, SAMPLE_RATE * n, mask
-            )
+            update = implementation(grads, mask, noise_multiplier, generator, SAMPLE_RATE * self.n)
             params = {k: params[k] - LR * update[k] for k in params}
         return params
-
-    start = {k: torch.from_numpy(v) for k, v in initial_weights().items()}
-    return audit_with_reference(run, start, claimed_noise)
 
 
 @pytest.fixture(autouse=True)
@@ -400,30 +499,62 @@ def _quiet_accounting():
     pytest.importorskip("dp_accounting", reason="the claim comes from the accountant")
 
 
-def test_jax_correct_dp_sgd_stays_below_its_claim():
-    report = jax_audit(noise_multiplier=1.0, claimed_noise=1.0)  # claim: epsilon 4.04
-    assert not report.violated
+@pytest.fixture(scope="module")
+def jax_dpsgd():
+    """The JAX runner and its reference run (no canaries, no noise, seed 101)."""
+    runner = JaxDPSGD()
+    return runner, runner.run(correct, 0.0, None, seed=101)
+
+
+@pytest.fixture(scope="module")
+def torch_dpsgd():
+    """The PyTorch runner and its reference run, on one thread: on a tiny model, torch's
+    threads only contend with each other (on a busy 2-core machine, the runs took 5x longer)."""
+    torch = pytest.importorskip("torch", reason="the PyTorch path")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = TorchDPSGD()
+        yield runner, runner.run(correct, 0.0, None, seed=101)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["jax", "torch"])
+def dpsgd(request):
+    return request.getfixturevalue(f"{request.param}_dpsgd")
+
+
+def test_correct_dp_sgd_stays_below_its_claim(dpsgd):
+    report = audit_run(*dpsgd, correct, noise_multiplier=1.0, claimed_noise=1.0)  # claim 4.04
+    assert report.ceiling > report.epsilon  # 1000 canaries could have refuted the claim
+    assert not report.violated, str(report)
     assert report.epsilon_lower_bound < report.epsilon
 
 
-def test_jax_dp_sgd_without_noise_is_caught():
-    report = jax_audit(noise_multiplier=0.0, claimed_noise=2.0)  # claim: epsilon 1.22
+def test_dp_sgd_without_noise_is_caught(dpsgd):
+    report = audit_run(*dpsgd, correct, noise_multiplier=0.0, claimed_noise=2.0)  # claim 1.22
     assert report.violated, str(report)
 
 
-def test_jax_dp_sgd_without_clipping_is_caught_by_large_canaries():
-    report = jax_audit(
-        noise_multiplier=2.0, claimed_noise=2.0, clipping=False, canary_norm=100.0
+def test_jax_dp_sgd_without_clipping_is_caught_by_large_canaries(jax_dpsgd):
+    report = audit_run(
+        *jax_dpsgd, without_clipping, noise_multiplier=2.0, claimed_noise=2.0, norm=100.0
     )  # the noise is there (claim: epsilon 1.22), but a canary moves the model 100x too far
     assert report.violated, str(report)
 
 
-def test_torch_correct_dp_sgd_stays_below_its_claim():
-    report = torch_audit(noise_multiplier=1.0, claimed_noise=1.0)
-    assert not report.violated
-    assert report.epsilon_lower_bound < report.epsilon
+def test_noise_per_micro_batch_is_caught(dpsgd):
+    """Gradient accumulation over 64 micro-batches that noises each with sigma / 64 (see
+    ``noise_per_micro_batch``): claimed sigma 2 (epsilon 1.22), actual sigma 2 / 8. Caught by
+    1000 canaries (ceiling 5.06)."""
+    report = audit_run(*dpsgd, noise_per_micro_batch, noise_multiplier=2.0, claimed_noise=2.0)
+    assert report.violated, str(report)
 
 
-def test_torch_dp_sgd_without_noise_is_caught():
-    report = torch_audit(noise_multiplier=0.0, claimed_noise=2.0)
+def test_noise_over_the_realised_batch_size_is_caught(dpsgd):
+    """Noise calibrated to the mean over the realised Poisson batch but added to the sum (see
+    ``noise_over_batch_size``): claimed sigma 2 (epsilon 1.22), actual about 2 / 115. Caught
+    by 1000 canaries (ceiling 5.06)."""
+    report = audit_run(*dpsgd, noise_over_batch_size, noise_multiplier=2.0, claimed_noise=2.0)
     assert report.violated, str(report)

@@ -460,3 +460,57 @@ def test_clipped_contributions_never_exceed_the_bound(
         np.testing.assert_allclose(
             to_numpy(result.sum[k]), clipped[k].sum(0), rtol=1e-4, atol=1e-5 * max_norm
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/nonfinite_cost.py: its step without the cleaning is the same step, minus it
+
+
+def nonfinite_cost_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "nonfinite_cost.py"
+    spec = importlib.util.spec_from_file_location("nonfinite_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_benchmark_without_cleaning_skips_it_and_restores_it(fw, strategy):
+    """Inside ``without_nonfinite_cleaning`` a nan example poisons the clipped sum on the
+    paths the benchmark times (so the cleaning really is gone there); after it, the example
+    is zeroed again (the library is restored)."""
+    benchmark = nonfinite_cost_benchmark()
+    if fw.name == "jax":
+        params, x, y = jax_setup()
+        loss, expected = jax_loss, jax_reference(params, x, y)
+        to_numpy = np.asarray
+    else:
+        import torch.nn.functional as F
+
+        model, x, y = torch_setup()
+        loss = pergrad.module_loss(model, F.cross_entropy)
+        params, expected, to_numpy = loss.params(), torch_reference(model, x, y), torch_to_numpy
+
+    def clipped():
+        return dp.clipped_sum_of(loss, params, x, y, max_norm=MAX_NORM, strategy=strategy)
+
+    with benchmark.without_nonfinite_cleaning():
+        poisoned = clipped().sum
+    assert any(np.isnan(to_numpy(v)).any() for v in poisoned.values())
+    assert_sums_close(clipped().sum, expected, to_numpy)
+
+
+def test_benchmark_quick_run_times_the_same_update_with_and_without_cleaning():
+    """One round of the PyTorch half on a tiny MLP: a row per strategy, positive times, and
+    the two steps' updates identical on finite data (same noise seed)."""
+    pytest.importorskip("torch", reason="the PyTorch half of the benchmark")
+    benchmark = nonfinite_cost_benchmark()
+    rows = benchmark.measure("torch", (6, 5, 3), 4, rounds=1, warmup=0)
+    assert [row["strategy"] for row in rows] == ["materialize", "ghost"]
+    for row in rows:
+        assert row["with_ms"] > 0 and row["without_ms"] > 0 and row["ratio"] > 0
+        assert row["diff"] == 0.0
+    assert benchmark.table(rows).count("\n| torch |") == 2
