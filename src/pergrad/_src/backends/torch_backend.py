@@ -233,6 +233,17 @@ class TorchBackend:
     def where(self, condition: Any, x: Any, y: Any) -> Any:
         return torch.where(condition, x, y)
 
+    def known_all(self, condition: Any) -> bool | None:
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            return bool(condition.all())
+        except RuntimeError:  # a batched tensor of a torch.func transform has no one value
+            return None
+
+    def unless_all(self, condition: Any, fast: Callable[[], Any], slow: Callable[[], Any]) -> Any:
+        return fast() if self.known_all(condition) else slow()
+
 
 _LEAF = pytree.tree_structure(torch.empty(0))
 

@@ -148,12 +148,14 @@ def clip(grads: Any, max_norm: Any) -> Any:
     bk, _, flat, treedef, batch_size = flat_leaves("clip", grads)
     ids, bounds = clip_groups("clip", bk, grads, max_norm)
     clipping = clip_weights(bk, _group_norms(flat, ids, len(bounds)), bounds, None)
+    all_finite = bk.known_all(clipping.finite) is True
     _, leaves, _ = bk.flatten(grads)
     clipped = []
     for leaf, g in zip(leaves, ids):
         rows = (batch_size, *([1] * (len(bk.shape(leaf)) - 1)))
-        finite_rows = bk.where(clipping.finite.reshape(rows), leaf, 0.0)
-        clipped.append(finite_rows * clipping.weights[g].reshape(rows))
+        if not all_finite:
+            leaf = bk.where(clipping.finite.reshape(rows), leaf, 0.0)
+        clipped.append(leaf * clipping.weights[g].reshape(rows))
     return bk.unflatten(treedef, clipped)
 
 
@@ -194,12 +196,19 @@ def clipped_sum(
     clipping = clip_weights(bk, group_norms, bounds, mask)
     finite_rows = clipping.finite.reshape(batch_size, 1)
     _, leaves, _ = bk.flatten(grads)
-    # the where costs one pass over the gradients (and a B x P temporary), and keeps a
-    # non-finite example's rows out of the product: 0 * nan would still be nan
-    summed = [
-        (clipping.weights[g] @ bk.where(finite_rows, f_leaf, 0.0)).reshape(bk.shape(leaf)[1:])
-        for f_leaf, leaf, g in zip(flat, leaves, ids)
-    ]
+    # The where keeps a non-finite example's rows out of the product (0 * nan would still be
+    # nan) at the cost of one pass over the gradients and a B x P temporary (1.55x a torch DP
+    # step, benchmarks/results/cpu/nonfinite_cost.md), so it is skipped where the norms can
+    # be read and are all finite (eager torch, JAX outside jit); under jax.jit it always runs.
+
+    def weighted(clean: bool) -> list[Any]:
+        return [
+            clipping.weights[g] @ (bk.where(finite_rows, f_leaf, 0.0) if clean else f_leaf)
+            for f_leaf, g in zip(flat, ids)
+        ]
+
+    summed = bk.unless_all(clipping.finite, lambda: weighted(False), lambda: weighted(True))
+    summed = [s.reshape(bk.shape(leaf)[1:]) for s, leaf in zip(summed, leaves)]
     return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, clipping)
 
 

@@ -114,10 +114,12 @@ class DPOptimizer:
     usual, and :attr:`DPStep.nonfinite` counts it. The first step that meets one says so with
     a :class:`pergrad.NonFiniteWarning` (once per optimizer). The example still counts in the
     batch, and the accountant is unaffected: a contribution of 0 is within the clipping bound,
-    so the noise covers it as it covers any other example. Cost: one elementwise ``where`` over
-    each layer's recorded activations and output gradients (ghost) or over the batch's inputs
-    (chunked; on the ghost path only when some example's norm is not finite, which one host
-    sync per micro-batch checks), and one host sync per micro-batch to read the count.
+    so the noise covers it as it covers any other example. Cost: an elementwise ``where`` over
+    each layer's recorded activations and output gradients (ghost), over the per-example
+    gradients (materialize) or over the batch's inputs (chunked), where the ghost and
+    materialised paths run it only when some example's norm is not finite (one host sync per
+    micro-batch checks; within 2% of a step without it, ``benchmarks/nonfinite_cost.py``), and
+    one host sync per micro-batch to read the count.
 
     Args:
       optimizer: the ``torch.optim.Optimizer`` over the model's parameters.
