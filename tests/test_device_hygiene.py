@@ -353,3 +353,49 @@ def test_every_torch_factory_call_in_pergrad_says_where_its_tensor_goes() -> Non
     )
     stale = set(REVIEWED) - {hit[:3] for hit in found}
     assert not stale, f"REVIEWED entries that no longer match a call (remove them): {stale}"
+
+
+# --- host syncs of a training step ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_a_dp_optimizer_step_reads_the_device_twice(monkeypatch, strategy) -> None:
+    """Every read of a tensor's value on the host (``float()``, ``int()``, ``bool()``,
+    ``.item()``, ``.tolist()``) waits for a GPU to finish its queue. After a layout's first call
+    (whose checks read more), a ``DPOptimizer`` step of pergrad's makes two: whether every
+    norm is finite (the non-finite cleaning runs only then) and the step's statistics (clip
+    fraction, count, non-finite count) read together. Counted on the CPU: the calls made from
+    pergrad's own code."""
+    import sys
+
+    package = str(Path(pergrad.__file__).parent)
+    reads: list[str] = []
+
+    def counted(name: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                reads.append(f"{name} at {caller}:{sys._getframe(1).f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 8), nn.Tanh(), nn.Linear(8, OUT))
+    optimizer = pergrad.dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        nn.functional.cross_entropy,
+        max_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=BATCH,
+        strategy=strategy,
+    )
+    x, y = torch.randn(BATCH, WIDTH), torch.randint(0, OUT, (BATCH,))
+    optimizer.step(x, y)  # the layout's first call
+    for name in ("__float__", "__int__", "__bool__", "__index__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    optimizer.step(x, y)
+    assert len(reads) == 2, reads

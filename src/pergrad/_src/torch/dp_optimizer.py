@@ -343,9 +343,13 @@ class DPOptimizer:
             strategy=self.strategy,
             chunk_size=self.chunk_size,
         )
-        nonfinite = int(clipped.nonfinite)
+        # The step's statistics, read from the device at once (one host sync, not one each).
+        clip_fraction, count, nonfinite = host_numbers(
+            clipped.clip_fraction, clipped.count, clipped.nonfinite
+        )
+        clipped = clipped._replace(clip_fraction=clip_fraction, count=count, nonfinite=nonfinite)
         if nonfinite and self._scaled_loss is None:
-            self._warn_nonfinite(nonfinite, int(clipped.count))
+            self._warn_nonfinite(int(nonfinite), int(count))
         if scale != 1.0:
             clipped = clipped._replace(
                 sum={name: value / scale for name, value in clipped.sum.items()},
@@ -440,3 +444,15 @@ def _check_scaler(scaler: Any, distributed: Any) -> torch.amp.GradScaler | None:
             "or train in one process."
         )
     return scaler if scaler.is_enabled() else None
+
+
+def host_numbers(*values: Any) -> list[float]:
+    """Tensors (0-d) and numbers as Python floats, the tensors read from their device together:
+    one host sync for all of them, where ``float()`` of each would be one each."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    device = tensors[0].device
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    read = iter(torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
