@@ -50,7 +50,7 @@ import platform
 import statistics
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -423,6 +423,7 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
         return {"failed": "not measured: needs Linux's /proc/self/clear_refs"}
     return_freed_buffers_to_the_os()
     warnings.simplefilter("ignore")
+    inventory: dict[str, Any] = {}
     try:
         step = build_step(method, workload, config)
         gc.collect()
@@ -432,12 +433,54 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
         first = status_mib("VmHWM") - baseline
         gc.collect()
         reset_peak()
-        for _ in range(MEMORY_LATER_STEPS):
-            step.call()
+        with recorded_bytes(inventory) if method == "pergrad DP" else contextlib.nullcontext():
+            for _ in range(MEMORY_LATER_STEPS):
+                step.call()
         later = status_mib("VmHWM") - baseline
     except Exception as error:
         return {"failed": failure(error)}
-    return {"first_mib": first, "later_mib": later, "baseline_mib": baseline}
+    return {"first_mib": first, "later_mib": later, "baseline_mib": baseline, **inventory}
+
+
+@contextlib.contextmanager
+def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
+    """Where pergrad's extra memory goes: the ghost step's layer records, held from the backward
+    pass until every layer's norm is known, summed into ``inventory`` (MiB, each storage once):
+    the output gradients (and the largest layer's), and the layer inputs (partly tensors that
+    autograd keeps anyway, for the backward pass)."""
+    from pergrad._src.strategies import ghost_torch
+
+    per_layer = ghost_torch._per_layer
+
+    def counting(modules: Any, records: Any, *args: Any) -> Any:
+        if not inventory:
+            grads, inputs, largest = {}, {}, ("", 0)
+            for name, layer_records in records.items():
+                size = 0
+                for record in layer_records:
+                    if record.output_grad is not None:
+                        grads[record.output_grad.untyped_storage().data_ptr()] = nbytes(
+                            record.output_grad
+                        )
+                        size += nbytes(record.output_grad)
+                    for x in record.inputs:
+                        if hasattr(x, "untyped_storage") and x.is_floating_point():
+                            inputs[x.untyped_storage().data_ptr()] = nbytes(x)
+                largest = max(largest, (name, size), key=lambda item: item[1])
+            inventory["grad_records_mib"] = sum(grads.values()) / 2**20
+            inventory["input_records_mib"] = sum(inputs.values()) / 2**20
+            inventory["largest_grad_record"] = (largest[0], largest[1] / 2**20)
+        return per_layer(modules, records, *args)
+
+    ghost_torch._per_layer = counting
+    try:
+        yield
+    finally:
+        ghost_torch._per_layer = per_layer
+
+
+def nbytes(x: Any) -> int:
+    return x.untyped_storage().nbytes()
 
 
 def return_freed_buffers_to_the_os() -> None:
@@ -596,6 +639,24 @@ def notes(
         "small batch gives:"
     ]
     lines += [f"  - {name}: {outcome}" for name, outcome in default_ids.items()]
+    held = [r for r in results if "grad_records_mib" in r["memory"].get("pergrad DP", {})]
+    if held:
+        lines.append(
+            "- Where pergrad's extra memory goes (a later step): the ghost step keeps each "
+            "layer's output gradient and its input from the backward pass until every layer's "
+            "norm is known (one backward pass, no second one); the non-private step frees them "
+            "layer by layer:"
+        )
+    for result in held:
+        mem, base = result["memory"]["pergrad DP"], result["memory"][BASE]
+        name, largest = mem["largest_grad_record"]
+        lines.append(
+            f"  - {result['workload'].name}: output gradients {mem['grad_records_mib']:.0f} MiB "
+            f"(the largest, `{name}`: {largest:.0f} MiB), layer inputs "
+            f"{mem['input_records_mib']:.0f} MiB (partly kept by autograd anyway); the step's "
+            f"extra over the non-private one "
+            f"{mem['later_mib'] - base.get('later_mib', math.nan):.0f} MiB"
+        )
     lines.append(
         "- Opacus's ghost clipping refuses a parameter used twice in one forward pass (GPT-2's "
         "tied embedding and lm-head): reported as `refuses`, not untied; the `GPT-2 untied` "
