@@ -10,17 +10,21 @@ momentum for 10 epochs, no convergence), the ground truth averaged over 3 traini
 subset, the ensemble's models from different seeds. Cached in ``benchmarks/results/lds_ground_truth_<model>.npz`` (recomputed when its
 settings change).
 
-Every method scores the full-set model(s) (float32, PyTorch): pergrad's ``grad_dot``,
-``grad_cosine``, ``influence_function`` (CG, with the L2 penalty as ``regularizer``, the target
-``-margin``), its exact solver for the logistic regression, its K-FAC and EK-FAC curvature
-(``nn.Linear`` copies of the models, the L2 penalty folded into the damping), ``trak`` with 1
-and 5 models, and
+Every method scores the full-set model(s) (float32, PyTorch unless said): pergrad's ``grad_dot``
+(also of factored projections), ``grad_cosine``, ``influence_function`` with CG (default
+options), LiSSA (minibatches), the exact solver (logistic regression), K-FAC and EK-FAC
+(``nn.Linear`` copies of the models, the L2 penalty folded into the damping; the others take it
+as ``regularizer``; the target ``-margin``), ``trak`` with 1, 5 and 10 models (dense projection;
+also through the JAX backend on the same weights, and with the factored projection), and
 ``traker`` (the TRAK authors' package, CPU ``BasicProjector``) with the same models and
-projection dimension. A method's damping is chosen on the even-numbered subsets and its LDS
-reported on the odd-numbered ones. Times are wall seconds for one damping (a grid's extra
-values are not counted; for K-FAC / EK-FAC the whole grid, which shares one factorisation, and
-their damping column is added to the L2 penalty), on this machine, side by side in one run.
-``--only K-FAC EK-FAC`` runs a subset of the methods (a partial run: do not commit its table).
+projection dimension. A method's damping is chosen on the even-numbered subsets, from a grid of
+its own that reaches below its choice (a choice at a grid's edge is marked), and its LDS
+reported on the odd-numbered ones. Times are wall seconds on this machine, side by side in one
+run: for CG and LiSSA the chosen damping's solve, for the others the whole grid (which shares
+one factorisation or one set of features). On the MLP, CG is also run at several tolerances
+(``--cg-tolerances``) at the damping it chose. The load average is printed at the start and
+the end (a shared machine makes times noisy). ``--only K-FAC EK-FAC`` runs a subset of the
+methods (a partial run: do not commit its table).
 """
 
 from __future__ import annotations
@@ -57,8 +61,19 @@ N_TRAIN, N_TARGET, N_SUBSETS, ALPHA, L2, HIDDEN, ENSEMBLE, PROJ = (
     2048,
 )
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-IF_GRID = [1e-4, 1e-3, 1e-2, 1e-1, 1.0]
-TRAK_GRID = [0.0, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0]
+# Damping grids, per method, each reaching below the value it chooses (issue 21: the former
+# grid's smallest value, 1e-4, was chosen by K-FAC, EK-FAC and the exact solver).
+CG_GRID = [1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]  # each value costs a solve
+EXACT_GRID = [1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]  # one eigendecomposition
+LISSA_GRID = [1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+KFAC_GRID = [0.0, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]  # added to L2, shared
+TRAK_GRID = [0.0, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0, 1e4]
+# LiSSA as one runs it on a thousand examples: minibatches of 50, 1000 steps (about 50 passes
+# over the data, as many Hessian-vector products as ~50 CG iterations).
+LISSA = {"depth": 1000, "batch_size": 50}
+# Factored (LoGra) projection: each weight's k_in x k_out block; biases projected to OTHER_DIM.
+FACTORED_DIMS, OTHER_DIM = (32, 32), 256
+CG_TOLERANCES = [1e-6, 1e-4, 1e-3, 1e-2, 1e-1]
 
 
 # --- data and models --------------------------------------------------------------------------
@@ -230,27 +245,51 @@ def run_grad(kind: str, models: list, arrays: tuple, cosine: bool) -> tuple[np.n
     return scores.numpy()[None], time.perf_counter() - start
 
 
-def run_influence(models: list, arrays: tuple, solver: Any) -> tuple[np.ndarray, float]:
+def run_influence(
+    models: list, arrays: tuple, solver: Any, grid: list[float]
+) -> tuple[np.ndarray, list[float]]:
+    """Influence with the Hessian-vector-product solvers, one solve per damping of ``grid``
+    (each timed)."""
     x, y, xt, yt = arrays
-    grid = []
-    seconds = 0.0
-    for damping in IF_GRID:
+    scores, seconds = [], []
+    for damping in grid:
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", influence.InfluenceWarning)
-            scores = influence.influence_function(
-                ce_loss,
-                models[0],
-                (x, y),
-                (xt, yt),
-                damping=damping,
-                solver=solver,
-                target_fn=neg_margin,
-                regularizer=weight_decay,
-            )
-        seconds = time.perf_counter() - start if damping == IF_GRID[0] else seconds
-        grid.append(scores.numpy())
-    return np.stack(grid), seconds
+            try:
+                result = influence.influence_function(
+                    ce_loss,
+                    models[0],
+                    (x, y),
+                    (xt, yt),
+                    damping=damping,
+                    solver=solver,
+                    target_fn=neg_margin,
+                    regularizer=weight_decay,
+                ).numpy()
+            except ValueError as error:  # LiSSA diverging at a small damping: not a candidate
+                print(f"    damping {damping:g}: {str(error)[:100]}...")
+                result = np.full((len(x), len(xt)), np.nan)
+        seconds.append(time.perf_counter() - start)
+        scores.append(result)
+    return np.stack(scores), seconds
+
+
+def run_exact(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+    """The exact solver for the whole grid at once (one Hessian, one eigendecomposition)."""
+    x, y, xt, yt = arrays
+    start = time.perf_counter()
+    scores = influence.influence_function(
+        ce_loss,
+        models[0],
+        (x, y),
+        (xt, yt),
+        damping=EXACT_GRID,
+        solver="exact",
+        target_fn=neg_margin,
+        regularizer=weight_decay,
+    )
+    return scores.numpy(), time.perf_counter() - start
 
 
 def as_module(p: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -300,7 +339,7 @@ def run_kfac(models: list, arrays: tuple, solver: str, draws: int = 0) -> tuple[
         loss.params(),
         (x, y),
         (xt, yt),
-        damping=[L2 + d for d in IF_GRID],
+        damping=[L2 + d for d in KFAC_GRID],
         solver=solver,
         target_fn=target,
         hessian_batch=hessian_batch,
@@ -315,6 +354,93 @@ def run_trak(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
         margin, models, (x, y), (xt, yt), weight_fn=one_minus_p, proj_dim=PROJ, damping=TRAK_GRID
     )
     return scores.numpy(), time.perf_counter() - start
+
+
+def batch_margin(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -batch_neg_margin(z, y)
+
+
+def batch_one_minus_p(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 1 - torch.softmax(z[0], 0).gather(0, y)[0]
+
+
+def module_form(models: list) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    """One ``nn.Linear`` model (the template the losses run through) and each model's
+    parameters under its names: the factored projection reads ``nn.Linear`` records."""
+    template = as_module(models[0])
+    checkpoints = [
+        {name: value.detach() for name, value in as_module(p).named_parameters()} for p in models
+    ]
+    return template, checkpoints
+
+
+def run_trak_factored(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+    """TRAK with the factored projection: each weight's ``FACTORED_DIMS`` block from its
+    layer's input and output gradient, the biases projected to ``OTHER_DIM``."""
+    x, y, xt, yt = arrays
+    start = time.perf_counter()
+    template, checkpoints = module_form(models)
+    scores = influence.trak(
+        pergrad.module_loss(template, batch_margin),
+        checkpoints,
+        (x, y),
+        (xt, yt),
+        weight_fn=pergrad.module_loss(template, batch_one_minus_p),
+        proj_dim=OTHER_DIM,
+        projection="factored",
+        factored_dims=FACTORED_DIMS,
+        damping=TRAK_GRID,
+    )
+    return scores.numpy(), time.perf_counter() - start
+
+
+def run_grad_dot_factored(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+    """``grad_dot`` of factored projections of the training losses' and targets' gradients."""
+    x, y, xt, yt = arrays
+    start = time.perf_counter()
+    template, checkpoints = module_form(models[:1])
+    options = {"k_in": FACTORED_DIMS[0], "k_out": FACTORED_DIMS[1], "other_dim": OTHER_DIM}
+    train = influence.project_factored(
+        pergrad.module_loss(template, F.cross_entropy), checkpoints[0], (x, y), **options
+    )
+    target = influence.project_factored(
+        pergrad.module_loss(template, batch_neg_margin), checkpoints[0], (xt, yt), **options
+    )
+    scores = influence.grad_dot(train, target)
+    return scores.numpy()[None], time.perf_counter() - start
+
+
+def run_trak_jax(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+    """The same TRAK through the JAX backend: the torch-trained weights as JAX arrays, the
+    model written in ``jax.numpy`` (times include JAX's tracing)."""
+    import jax
+    import jax.numpy as jnp
+
+    def logits(p: dict[str, Any], x: Any) -> Any:
+        if "w" in p:
+            return x @ p["w"] + p["b"]
+        return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+    def margin_jax(p: dict[str, Any], x: Any, y: Any) -> Any:
+        z = logits(p, x)
+        return z[y] - jax.nn.logsumexp(jnp.where(jnp.arange(10) == y, -jnp.inf, z))
+
+    def one_minus_p_jax(p: dict[str, Any], x: Any, y: Any) -> Any:
+        return 1 - jax.nn.softmax(logits(p, x))[y]
+
+    checkpoints = [{k: jnp.asarray(v.numpy()) for k, v in p.items()} for p in models]
+    x, y, xt, yt = (jnp.asarray(a.numpy()) for a in arrays)
+    start = time.perf_counter()
+    scores = influence.trak(
+        margin_jax,
+        checkpoints,
+        (x, y),
+        (xt, yt),
+        weight_fn=one_minus_p_jax,
+        proj_dim=PROJ,
+        damping=TRAK_GRID,
+    )
+    return np.asarray(scores), time.perf_counter() - start
 
 
 class Net(torch.nn.Module):
@@ -383,17 +509,91 @@ def run_traker(models: list, arrays: tuple, grid: list[float]) -> tuple[np.ndarr
 
 def held_out_lds(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> tuple[float, int]:
     """Choose the grid value on the even subsets, report the LDS on the odd ones."""
-    tune = [influence.lds(s, masks[0::2], outputs[0::2]) for s in scores]
+    tune = [
+        influence.lds(s, masks[0::2], outputs[0::2]) if np.isfinite(s).all() else np.nan
+        for s in scores
+    ]
     best = int(np.nanargmax(tune))
     return influence.lds(scores[best], masks[1::2], outputs[1::2]), best
 
 
+Method = Callable[[], tuple[np.ndarray, Any]]
+
+
+def methods_for(
+    kind: str, models: list, arrays: tuple, sizes: tuple[int, int], peers: dict[str, bool]
+) -> dict[str, tuple[Method, list[float] | None]]:
+    """Each row's method and its damping grid (None: no grid)."""
+    five, ten = sizes
+    methods: dict[str, tuple[Method, list[float] | None]] = {
+        "pergrad grad_dot": (lambda: run_grad(kind, models, arrays, cosine=False), None),
+        "pergrad grad_cosine": (lambda: run_grad(kind, models, arrays, cosine=True), None),
+        f"pergrad grad_dot, factored projection ({FACTORED_DIMS[0]}x{FACTORED_DIMS[1]})": (
+            lambda: run_grad_dot_factored(models, arrays),
+            None,
+        ),
+        f"pergrad influence_function (CG, default tol {influence.CG().tol:g})": (
+            lambda: run_influence(models, arrays, "cg", CG_GRID),
+            CG_GRID,
+        ),
+    }
+    if kind == "logreg":
+        methods["pergrad influence_function (exact)"] = (
+            lambda: run_exact(models, arrays),
+            EXACT_GRID,
+        )
+    lissa = influence.LiSSA(**LISSA)
+    methods[f"pergrad influence_function (LiSSA, depth {LISSA['depth']}, batch 50)"] = (
+        lambda: run_influence(models, arrays, lissa, LISSA_GRID),
+        LISSA_GRID,
+    )
+    methods["pergrad influence_function (K-FAC)"] = (
+        lambda: run_kfac(models, arrays, "kfac"),
+        KFAC_GRID,
+    )
+    methods["pergrad influence_function (EK-FAC)"] = (
+        lambda: run_kfac(models, arrays, "ekfac"),
+        KFAC_GRID,
+    )
+    methods["pergrad influence_function (EK-FAC, sampled labels)"] = (
+        lambda: run_kfac(models, arrays, "ekfac", draws=10),
+        KFAC_GRID,
+    )
+    for count in (1, five, ten):
+        label = f"{count} model{'s' if count > 1 else ''}"
+        methods[f"pergrad trak, {label}"] = (
+            lambda count=count: run_trak(models[:count], arrays),
+            TRAK_GRID,
+        )
+        if peers["jax"]:
+            methods[f"pergrad trak (JAX), {label}"] = (
+                lambda count=count: run_trak_jax(models[:count], arrays),
+                TRAK_GRID,
+            )
+        if peers["traker"]:
+            methods[f"traker TRAK, {label}"] = (
+                lambda count=count: run_traker(models[:count], arrays, TRAK_GRID),
+                TRAK_GRID,
+            )
+    for count in (1, five):
+        label = f"{count} model{'s' if count > 1 else ''}"
+        methods[
+            f"pergrad trak, factored projection ({FACTORED_DIMS[0]}x{FACTORED_DIMS[1]}), {label}"
+        ] = (
+            lambda count=count: run_trak_factored(models[:count], arrays),
+            TRAK_GRID,
+        )
+    return methods
+
+
 def evaluate(
-    kind: str, quick: bool, with_traker: bool, only: list[str] | None = None
-) -> list[tuple[str, str, float, float]]:
+    kind: str, quick: bool, peers: dict[str, bool], only: list[str] | None = None
+) -> tuple[list[tuple[str, str, float, float]], dict[str, Any]]:
+    """The table's rows, and what the CG tolerance study needs (the models, the data, the
+    damping CG chose)."""
     data = load_data(200 if quick else N_TRAIN, 50 if quick else N_TARGET)
     masks, outputs = ground_truth(kind, data, quick)
-    ensemble = 2 if quick else ENSEMBLE
+    sizes = (2, 3) if quick else (ENSEMBLE, 2 * ENSEMBLE)
     models: list[dict[str, torch.Tensor]] = []  # trained below, once the methods are known
     arrays = (
         torch.tensor(data[0], dtype=torch.float32),
@@ -401,48 +601,59 @@ def evaluate(
         torch.tensor(data[2], dtype=torch.float32),
         torch.tensor(data[3]),
     )
-    methods: dict[str, Callable[[], tuple[np.ndarray, float]]] = {
-        "pergrad grad_dot": lambda: run_grad(kind, models, arrays, cosine=False),
-        "pergrad grad_cosine": lambda: run_grad(kind, models, arrays, cosine=True),
-        "pergrad influence_function (CG, tol 1e-2)": lambda: run_influence(
-            models, arrays, influence.CG(tol=1e-2)
-        ),
-    }
-    if kind == "logreg":
-        methods["pergrad influence_function (exact)"] = lambda: run_influence(
-            models, arrays, "exact"
-        )
-    methods["pergrad influence_function (K-FAC)"] = lambda: run_kfac(models, arrays, "kfac")
-    methods["pergrad influence_function (EK-FAC)"] = lambda: run_kfac(models, arrays, "ekfac")
-    methods["pergrad influence_function (EK-FAC, sampled labels)"] = lambda: run_kfac(
-        models, arrays, "ekfac", draws=10
-    )
-    methods["pergrad trak, 1 model"] = lambda: run_trak(models[:1], arrays)
-    methods[f"pergrad trak, {ensemble} models"] = lambda: run_trak(models, arrays)
-    if with_traker:
-        methods["traker TRAK, 1 model"] = lambda: run_traker(models[:1], arrays, TRAK_GRID)
-        methods[f"traker TRAK, {ensemble} models"] = lambda: run_traker(models, arrays, TRAK_GRID)
+    methods = methods_for(kind, models, arrays, sizes, peers)
     if only:
         methods = {n: m for n, m in methods.items() if any(word in n for word in only)}
-    needed = ensemble if any(f"{ensemble} models" in name for name in methods) else 1
+    needed = max(
+        [1] + [int(n.rsplit(", ", 1)[1].split()[0]) for n in methods if n.endswith("models")]
+    )
     start = time.perf_counter()
     full = [train(kind, data[0], data[1], seed=s) for s in range(needed)]
     print(f"  {needed} full-set model(s) trained in {time.perf_counter() - start:.0f} s")
-    models.extend({k: v.float() for k, v in p.items()} for p in full)
-    grids = {"influence": IF_GRID, "trak": TRAK_GRID, "TRAK": TRAK_GRID}
+    # keys in sorted order, as JAX flattens a dict: both frameworks project the same rows
+    models.extend({k: p[k].float() for k in sorted(p)} for p in full)
     rows = []
-    for name, method in methods.items():
+    study: dict[str, Any] = {"models": models, "arrays": arrays, "masks": masks}
+    study["outputs"] = outputs
+    for name, (method, grid) in methods.items():
         scores, seconds = method()
         value, best = held_out_lds(scores, masks, outputs)
-        grid = next((g for word, g in grids.items() if word in name), None)
-        chosen = f"damping {grid[best]:g}" if grid is not None and len(scores) > 1 else "-"
+        if isinstance(seconds, list):  # one solve per damping: the chosen one's time
+            seconds = seconds[best]
+        chosen = "-"
+        if grid is not None:
+            edge = " (grid's smallest)" if best == 0 and grid[0] > 0 else ""
+            edge = " (L2 alone)" if best == 0 and grid is KFAC_GRID else edge
+            edge = " (grid's largest)" if best == len(grid) - 1 else edge
+            chosen = f"damping {grid[best]:g}{edge}"
+        if "CG" in name:
+            study["damping"] = grid[best]
         rows.append((name, chosen, value, seconds))
-        print(f"  {name:45s} LDS {value:.3f}  ({chosen}; {seconds:.1f} s)")
+        print(f"  {name:45s} LDS {value:.3f}  ({chosen}; {seconds:.1f} s)", flush=True)
     random_scores = np.random.default_rng(0).normal(size=(len(data[0]), len(data[2])))
     rows.append(
         ("random scores", "-", influence.lds(random_scores, masks[1::2], outputs[1::2]), 0.0)
     )
-    return rows
+    return rows, study
+
+
+def cg_tolerance_study(study: dict[str, Any], tolerances: list[float]) -> list[str]:
+    """CG at each tolerance, at the damping the CG row chose: LDS on the odd subsets and the
+    seconds of the solve (issue 21: the default tolerance chosen from these)."""
+    lines = [
+        f"CG at damping {study['damping']:g} (the CG row's choice), one solve per tolerance:",
+        "",
+        "| CG tol | LDS (odd subsets) | seconds |",
+        "| --- | --- | --- |",
+    ]
+    for tol in tolerances:
+        scores, seconds = run_influence(
+            study["models"], study["arrays"], influence.CG(tol=tol), [study["damping"]]
+        )
+        value = influence.lds(scores[0], study["masks"][1::2], study["outputs"][1::2])
+        lines.append(f"| {tol:g} | {value:.4f} | {seconds[0]:.1f} |")
+        print(f"  CG tol {tol:g}: LDS {value:.4f}, {seconds[0]:.1f} s", flush=True)
+    return lines
 
 
 TITLES = {
@@ -468,14 +679,37 @@ def plot(all_rows: dict[str, list], path: str) -> None:
     for ax, (kind, rows) in zip(axes[0], all_rows.items()):
         for name, _, value, seconds in rows:
             if seconds > 0:
-                ax.scatter(seconds, value, color="tab:red" if "traker" in name else "tab:blue")
+                color = "tab:red" if "traker" in name else "tab:blue"
+                ax.scatter(seconds, value, color="tab:green" if "JAX" in name else color)
                 ax.annotate(name.replace("pergrad ", ""), (seconds, value), fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("wall seconds (one damping)")
+        ax.set_xlabel("wall seconds (the chosen damping, or the whole grid)")
         ax.set_ylabel("LDS (held-out subsets)")
         ax.set_title(f"digits, {kind}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def trak_verdict(all_rows: dict[str, list]) -> list[str]:
+    """Whether pergrad's TRAK reaches traker's LDS at equal models, in each framework."""
+    lines = []
+    for framework, prefix in (("PyTorch", "pergrad trak, "), ("JAX", "pergrad trak (JAX), ")):
+        pairs = []
+        for kind, rows in all_rows.items():
+            values = {name: value for name, _, value, _ in rows}
+            for name, value in values.items():
+                if name.startswith("traker TRAK, ") and prefix + name[13:] in values:
+                    pairs.append((kind, name[13:], values[prefix + name[13:]], value))
+        if not pairs:
+            continue
+        short = [f"{k}, {m}: {a:.3f} vs {b:.3f}" for k, m, a, b in pairs if a < b]
+        verdict = "met" if not short else "NOT met"
+        detail = f"; below traker in {len(short)}: " + "; ".join(short) if short else ""
+        lines.append(
+            f"- pergrad-TRAK ({framework}) >= traker's LDS at equal models: {verdict} (in "
+            f"{len(pairs) - len(short)} of {len(pairs)} comparisons{detail})."
+        )
+    return lines
 
 
 def main() -> None:
@@ -488,6 +722,14 @@ def main() -> None:
         choices=["logreg", "mlp", "mlp-sgd"],
     )
     parser.add_argument("--no-traker", action="store_true", help="skip the traker peer")
+    parser.add_argument("--no-jax", action="store_true", help="skip TRAK through JAX")
+    parser.add_argument(
+        "--cg-tolerances",
+        nargs="*",
+        type=float,
+        default=CG_TOLERANCES,
+        help="CG tolerances to compare on the MLP at the damping CG chose (none: skip)",
+    )
     parser.add_argument(
         "--only",
         nargs="+",
@@ -496,17 +738,20 @@ def main() -> None:
     parser.add_argument("--out", help="write attribution_lds.md and .png into this directory")
     args = parser.parse_args()
     torch.manual_seed(0)
-    try:
-        import trak  # noqa: F401
-
-        with_traker = not args.no_traker
-    except ImportError:
-        print("traker is not installed (pip install traker): the peer is skipped")
-        with_traker = False
-    all_rows = {}
+    print(f"load average at the start: {load_average()}")
+    peers = {"traker": not args.no_traker, "jax": not args.no_jax}
+    for peer, hint in (("traker", "pip install traker"), ("jax", "pip install jax")):
+        try:
+            __import__("trak" if peer == "traker" else peer)
+        except ImportError:
+            print(f"{peer} is not installed ({hint}): its rows are skipped")
+            peers[peer] = False
+    all_rows, study_lines = {}, []
     for kind in args.models:
         print(f"{kind}:")
-        all_rows[kind] = evaluate(kind, args.quick, with_traker, args.only)
+        all_rows[kind], study = evaluate(kind, args.quick, peers, args.only)
+        if kind == "mlp" and args.cg_tolerances and "damping" in study and not args.quick:
+            study_lines = cg_tolerance_study(study, args.cg_tolerances)
     lines = []
     for kind, rows in all_rows.items():
         lines += [
@@ -517,16 +762,29 @@ def main() -> None:
         ]
         lines += [f"| {n} | {c} | {v:.3f} | {s:.1f} |" for n, c, v, s in rows]
         lines.append("")
+    if study_lines:
+        lines += ["### CG's tolerance on the MLP (trained to convergence)", "", *study_lines, ""]
+    verdict = trak_verdict(all_rows)
+    if verdict:
+        lines += ["### TRAK against traker", "", *verdict, ""]
     table = "\n".join(lines)
     print(table)
+    load = load_average()
+    print(f"load average at the end: {load}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         header = (
             f"# attribution_lds.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, load average {load_average()}, "
+            f"{platform.system()}, torch {torch.__version__}, load average {load} at the end "
+            f"(a shared machine: times are noisy), "
             f"{datetime.date.today().isoformat()}. {N_TRAIN} training digits, {N_TARGET} "
             f"targets, {N_SUBSETS} half-size subsets (32 to choose the damping, 32 to score), "
-            f"projection dimension {PROJ}, L2 {L2}.\n\n"
+            f"projection dimension {PROJ} (factored: {FACTORED_DIMS[0]}x{FACTORED_DIMS[1]} per "
+            f"weight, biases to {OTHER_DIM}), L2 {L2}. Damping grids: CG {CG_GRID}, exact "
+            f"{EXACT_GRID}, LiSSA {LISSA_GRID}, K-FAC / EK-FAC L2 + {KFAC_GRID}, TRAK "
+            f"{TRAK_GRID}; a choice at a grid's edge is marked. Seconds: the chosen damping's "
+            f"solve for CG and LiSSA, the whole grid for the others (one factorisation or one "
+            f"set of features for all its values); JAX's include tracing.\n\n"
         )
         with open(os.path.join(args.out, "attribution_lds.md"), "w") as f:
             f.write(header + table)

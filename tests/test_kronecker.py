@@ -15,10 +15,11 @@ from pergrad._src.influence.projection import matrix_rows
 BATCH, LENGTH, K_IN, K_OUT, OTHER, SEED = 3, 4, 3, 2, 4, 1
 
 
-def dense_reference(grads_by_layer, widths, others):
-    """Features from materialised gradients: (B, in, out) per layer, then the others."""
+def dense_reference(grads_by_layer, widths, others, indices):
+    """Features from materialised gradients: (B, in, out) per layer (layer ``indices[i]``'s
+    matrices), then the others."""
     blocks = []
-    for index, (grads, (width_in, width_out)) in enumerate(zip(grads_by_layer, widths)):
+    for index, grads, (width_in, width_out) in zip(indices, grads_by_layer, widths):
         p_in, p_out = kronecker_matrices(SEED, index, width_in, width_out, K_IN, K_OUT)
         blocks.append(np.einsum("ik,bio,ol->bkl", p_in, grads, p_out).reshape(BATCH, -1))
     flat = np.concatenate([g.reshape(BATCH, -1) for g in others], axis=1)
@@ -55,6 +56,7 @@ def test_torch_linear_layers_are_projected_from_their_records():
         [grads["0.weight"].transpose(0, 2, 1), grads["2.weight"].transpose(0, 2, 1)],
         [(5, 7), (7, 3)],
         [grads["0.bias"], grads["2.bias"]],
+        indices=[0, 1],  # the nn.Linear layers of model.named_modules(), numbered
     )
     assert tuple(features.shape) == (BATCH, 2 * K_IN * K_OUT + OTHER)
     np.testing.assert_allclose(features.numpy(), expected, rtol=1e-10, atol=1e-12)
@@ -86,6 +88,7 @@ def test_jax_dense_contractions_are_projected_from_their_records():
         [np.asarray(grads["w1"]), np.asarray(grads["w2"])],
         [(5, 6), (3, 6)],
         [np.asarray(grads["b1"])],
+        indices=[0, 1],  # the order in which the engine meets the contractions
     )
     np.testing.assert_allclose(np.asarray(features), expected, rtol=2e-4, atol=2e-5)
 

@@ -215,3 +215,105 @@ def test_factored_projection_features_feed_the_same_formula():
     )
     with pytest.raises(ValueError, match="projection must be 'dense' or 'factored'"):
         influence.trak(margin, models, (x, y), (xt, yt), projection="kronecker")
+
+
+def gpt2(tied, vocab=23, width=8, length=5):
+    """A tiny Hugging Face GPT-2 (random weights, float64), its per-example loss and a batch."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    import pergrad
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=length,
+        n_embd=width,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+    )
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+
+    def next_token_loss(output, labels):
+        return F.cross_entropy(output.logits.reshape(-1, vocab), labels.reshape(-1))
+
+    ids = torch.randint(0, vocab, (3, length))
+    labels = torch.randint(0, vocab, (3, length))
+    return model, next_token_loss, pergrad.module_loss(model, next_token_loss), (ids, labels)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_factored_projection_of_gpt2_equals_projecting_its_materialised_gradients(tied):
+    """GPT-2's Conv1D, nn.Embedding and output nn.Linear layers are projected from their records:
+    each block equals P_in^T G P_out of the gradient G from one-example autograd; a tied table
+    (GPT-2's default) and the biases and norms are projected densely, in parameter order."""
+    from pergrad._src.influence.kronecker import kronecker_matrices
+    from pergrad._src.influence.projection import matrix_rows
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, next_token_loss, loss, (ids, labels) = gpt2(tied)
+    k_in, k_out, other, seed = 3, 2, 4, 5
+    features = influence.project_factored(
+        loss, loss.params(), (ids, labels), k_in=k_in, k_out=k_out, other_dim=other, seed=seed
+    ).numpy()
+    grads = []
+    for b in range(len(ids)):
+        model.zero_grad()
+        next_token_loss(model(ids[b : b + 1]), labels[b : b + 1]).backward()
+        grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
+    # the i-th projectable layer of model.named_modules() projects with
+    # kronecker_matrices(seed, i, ...), a tied table included
+    kinds = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Conv1D)
+    met = [name for name, module in model.named_modules() if isinstance(module, kinds)]
+    blocks, others = {}, []
+    for name, _ in model.named_parameters():  # tied: lm_head.weight is not listed
+        owner, leaf = name.rsplit(".", 1)
+        if leaf != "weight" or owner not in met or (tied and owner == "transformer.wte"):
+            others.append(name)
+            continue
+        g = np.stack([grad[name] for grad in grads])  # (B, *weight.shape)
+        if owner == "lm_head":
+            g = g.transpose(0, 2, 1)  # nn.Linear's (out, in) -> (in, out), as Conv1D's
+        p_in, p_out = kronecker_matrices(seed, met.index(owner), *g.shape[1:], k_in, k_out)
+        blocks[name] = np.einsum("ik,bio,ol->bkl", p_in, g, p_out).reshape(len(ids), -1)
+    flat = np.concatenate(
+        [np.stack([grad[n] for grad in grads]).reshape(len(ids), -1) for n in others], axis=1
+    )
+    rows = matrix_rows(seed + 1_000_003, other, "gaussian", 0, flat.shape[1])
+    expected = np.concatenate([*blocks.values(), flat @ rows], axis=1)
+    assert features.shape == expected.shape
+    np.testing.assert_allclose(features, expected, rtol=1e-9, atol=1e-12 * np.abs(expected).max())
+
+
+def test_factored_projection_benchmark_quick_run(tmp_path, monkeypatch):
+    """benchmarks/factored_projection.py --quick: a row per method, the factored and the
+    materialised features of the same dimension, in a markdown table with the machine named."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "factored_projection.py"
+    spec = importlib.util.spec_from_file_location("factored_projection_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # for its dataclasses
+    spec.loader.exec_module(benchmark)
+    out = tmp_path / "factored_projection.md"
+    benchmark.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    assert "Machine:" in text and "(quick run)" in text
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")
+        for line in text.splitlines()
+        if line.startswith("| ") and "---" not in line and "method" not in line
+    }
+    assert set(rows) == set(benchmark.METHODS)
+    assert rows["factored"][1] == rows["materialise then project"][1]  # the same D
+    assert all(float(row[3]) > 0 for row in rows.values())  # examples/s

@@ -6,16 +6,21 @@ A dense layer applied at ``T`` positions has the per-example weight gradient
 product of two small random matrices, ``P_in^T G P_out = (A P_in)^T (D P_out)``: the
 ``k_in x k_out`` feature comes from projecting the layer's input and output gradient
 separately, at ``B T (p k_in + q k_out)`` cost, where materialising ``G`` would cost ``B p q``
-memory. It is a plug-in reduction of the capture engines (``capture/rules.py`` for PyTorch's
-``nn.Linear`` and Hugging Face's ``Conv1D``, ``capture/jax_rules.py`` for JAX dense
-contractions): one batched pass gives every layer's features. Every other parameter's
-per-example gradient (biases, norms, embeddings, convolutions) is projected densely, with
-:func:`pergrad.influence.project`'s seeded matrix.
+memory. An embedding table is such a layer with one-hot inputs: ``P_in^T G P_out = sum_t
+P_in[row_t]^T (d_t P_out)``. It is a plug-in reduction of the capture engines (``capture/rules.py``
+for PyTorch's ``nn.Linear``, Hugging Face's ``Conv1D`` and ``nn.Embedding``,
+``capture/jax_rules.py`` for JAX dense contractions): one batched pass gives every layer's
+features. Every other parameter's per-example gradient (biases, norms, convolutions, JAX
+lookups, a table tied to an output layer, which the engine gives as per-example gradients) is
+projected densely, with :func:`pergrad.influence.project`'s seeded matrix, block by block.
 
-``P_in`` and ``P_out`` of the ``i``-th projected layer (in the order the engine meets them) are
-Gaussian with entries ``N(0, 1/k)``, drawn from ``numpy.random.default_rng([seed, i, side])``:
-so ``E[<P g, P h>] = <g, h>``, and a call on training data and one on targets, with the same
-``seed``, land in the same space.
+``P_in`` and ``P_out`` of layer ``i`` are Gaussian with entries ``N(0, 1/k)``, drawn from
+``numpy.random.default_rng([seed, i, side])``, where ``i`` numbers the projected layers: in
+PyTorch the layers of ``model.named_modules()`` that have the projection, in that order (fixed
+by the model, whatever a call reaches; a tied table keeps its number), in JAX the contractions
+in the order the engine meets them (for a simple MLP the same numbers on both frameworks): so
+``E[<P g, P h>] = <g, h>``, and a call on training data and one on targets, with the same
+``seed`` and model, land in the same space.
 """
 
 from __future__ import annotations
@@ -30,24 +35,53 @@ from pergrad._src.backends import backend_of
 from pergrad._src.core.reductions import layer_reductions_of
 from pergrad._src.errors import PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
-from pergrad._src.influence.projection import matrix_rows
+from pergrad._src.influence.projection import MAX_MATRIX_NUMBERS, SeededProjection
 
 PLUG_IN = "pergrad.kronecker_projection"
+# The dense projection of the other parameters uses project()'s matrix with seed + this.
+OTHER_SEED_OFFSET = 1_000_003
 
 
 class LayerMatrices:
-    """``(P_in, P_out)`` per layer key, numpy float64, drawn in the order of first request."""
+    """``(P_in, P_out)`` per layer key, numpy float64: layer ``positions[key]``, or without
+    ``positions`` the layers numbered in the order of first request."""
 
-    def __init__(self, seed: int, k_in: int, k_out: int) -> None:
+    def __init__(
+        self, seed: int, k_in: int, k_out: int, positions: dict[Any, int] | None = None
+    ) -> None:
         self.seed, self.k_in, self.k_out = seed, k_in, k_out
+        self.positions = positions
         self.drawn: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def __call__(self, key: Any, width_in: int, width_out: int) -> tuple[np.ndarray, np.ndarray]:
         if key not in self.drawn:
+            index = len(self.drawn) if self.positions is None else self.positions[key]
             self.drawn[key] = kronecker_matrices(
-                self.seed, len(self.drawn), width_in, width_out, self.k_in, self.k_out
+                self.seed, index, width_in, width_out, self.k_in, self.k_out
             )
         return self.drawn[key]
+
+
+def module_positions(fn: Any) -> dict[Any, int] | None:
+    """For a :func:`pergrad.module_loss`, ``id(layer) -> i`` for the ``i``-th layer of
+    ``model.named_modules()`` whose family has the projection (``nn.Linear``, ``Conv1D``,
+    ``nn.Embedding``): a layer's matrices then depend on the model alone, not on which layers
+    a call reaches or in what order the engine meets them."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return None
+    from pergrad._src.capture.rules import rule_for
+    from pergrad._src.torch.module_loss import ModuleLoss
+
+    if not isinstance(fn, ModuleLoss):
+        return None
+    layers = []
+    for _, module in fn.model.named_modules():
+        rule = rule_for(module)
+        if rule is not None and rule.reduction(PLUG_IN) is not None:
+            layers.append(module)
+    return {id(layer): i for i, layer in enumerate(layers)}
 
 
 def kronecker_matrices(
@@ -73,9 +107,12 @@ def project_factored(
 
     Args:
       fn: the loss (or output) of ONE example, ``fn(params, *example) -> scalar``; in PyTorch a
-        :func:`pergrad.module_loss` (then its ``nn.Linear`` layers are projected from their
-        records; any other torch function gets every gradient projected densely, with a
-        :class:`pergrad.FallbackWarning`); in JAX any traceable loss.
+        :func:`pergrad.module_loss` (then its ``nn.Linear``, Hugging Face ``Conv1D`` and
+        ``nn.Embedding`` layers are projected from their records, except a table tied to
+        another layer, such as GPT-2's token embedding and output layer, whose per-example
+        gradient is formed and projected densely; any other torch function gets every
+        gradient projected densely, with a :class:`pergrad.FallbackWarning`); in JAX any
+        traceable loss (its ``x @ W`` contractions projected from their records).
       params: the parameters (``loss.params()`` in PyTorch).
       batch: tuple of ``fn``'s batched arguments.
       k_in: each dense layer's feature is ``k_in x k_out``: its input side.
@@ -90,7 +127,10 @@ def project_factored(
       per-example gradients.
 
     Cost: one forward and backward pass over the batch with the layers' records, ``B T (p k_in
-    + q k_out)`` per dense layer, and per-example gradients of the other parameters.
+    + q k_out)`` per dense layer, and per-example gradients of the other parameters, projected
+    with a ``(P_other, other_dim)`` matrix drawn block by block (memory ``2**26`` numbers at a
+    time). :func:`pergrad.influence.trak` with ``projection="factored"`` keeps the matrices
+    between its calls.
     """
     for name, value in (("k_in", k_in), ("k_out", k_out), ("other_dim", other_dim)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
@@ -104,18 +144,51 @@ def project_factored(
             f"project_factored: batch must be a tuple of fn's batched arguments, e.g. (X, Y); "
             f"got {type(batch).__name__}."
         )
-    _register_plug_ins()
-    matrices = LayerMatrices(seed, k_in, k_out)
-    results = layer_reductions_of(fn, params, *batch, reduction=PLUG_IN, reduction_args=(matrices,))
-    bk = backend_of(results[0].value, "project_factored", "params")
-    count = bk.shape(results[0].value)[0]
-    blocks = [r.value.reshape(count, -1) for r in results if r.reduced]
-    others = [r.value.reshape(count, -1) for r in results if not r.reduced]
-    if others:
-        flat = others[0] if len(others) == 1 else bk.concatenate(others, axis=1)
-        rows = matrix_rows(seed + 1_000_003, other_dim, "gaussian", 0, bk.shape(flat)[1])
-        blocks.append(flat @ as_backend_array(bk, rows, flat))
-    return blocks[0] if len(blocks) == 1 else bk.concatenate(blocks, axis=1)
+    return FactoredProjection(seed, k_in, k_out, other_dim)(fn, params, batch)
+
+
+class FactoredProjection:
+    """:func:`project_factored` for one ``(seed, k_in, k_out, other_dim)``, the other
+    parameters' dense matrix kept between calls while it holds at most ``matrix_budget``
+    numbers (else drawn block by block per call); the layers' small ``(P_in, P_out)`` are
+    drawn per call. Arguments are checked by the caller."""
+
+    def __init__(
+        self,
+        seed: int,
+        k_in: int,
+        k_out: int,
+        other_dim: int,
+        matrix_budget: int = MAX_MATRIX_NUMBERS,
+    ) -> None:
+        self.seed, self.k_in, self.k_out = seed, k_in, k_out
+        self.other_dim, self.matrix_budget = other_dim, matrix_budget
+        self.others: SeededProjection | None = None
+
+    def __call__(self, fn: Callable[..., Any], params: Any, batch: Sequence[Any]) -> Any:
+        _register_plug_ins()
+        layers = LayerMatrices(self.seed, self.k_in, self.k_out, module_positions(fn))
+        results = layer_reductions_of(
+            fn, params, *batch, reduction=PLUG_IN, reduction_args=(layers,)
+        )
+        bk = backend_of(results[0].value, "project_factored", "params")
+        count = bk.shape(results[0].value)[0]
+        blocks = [r.value.reshape(count, -1) for r in results if r.reduced]
+        others = [r.value.reshape(count, -1) for r in results if not r.reduced]
+        if others:
+            flat = others[0] if len(others) == 1 else bk.concatenate(others, axis=1)
+            size = bk.shape(flat)[1]
+            if self.others is None or self.others.size != size:
+                self.others = SeededProjection(
+                    bk,
+                    size,
+                    self.other_dim,
+                    self.seed + OTHER_SEED_OFFSET,
+                    "gaussian",
+                    size * self.other_dim <= self.matrix_budget,
+                )
+            blocks.append(self.others(flat))
+        return blocks[0] if len(blocks) == 1 else bk.concatenate(blocks, axis=1)
 
 
 _REGISTERED: set[str] = set()
@@ -155,6 +228,16 @@ def _register_torch() -> None:
     def hf_conv1d(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
         width_in, width_out = layer.weight.shape  # Conv1D's weight is (in, out)
         return {"weight": project(layer, calls, matrices, width_in, width_out)}
+
+    @register_reduction(PLUG_IN, "embedding")
+    def embedding(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
+        """A table ``(V, D)`` read at rows ``r_t``: ``sum_t P_in[r_t]^T (d_t P_out)``."""
+        rows, output_grads, _ = torch_layers.lookups(layer, calls)  # padding rows: zero grads
+        p_in, p_out = matrices(id(layer), layer.num_embeddings, layer.embedding_dim)
+        bk = backend_of(output_grads, "project_factored", "params")
+        left = as_backend_array(bk, p_in, output_grads)[rows]  # (B, N, k_in)
+        right = output_grads @ as_backend_array(bk, p_out, output_grads)
+        return {"weight": left.transpose(1, 2) @ right}
 
 
 def _register_jax() -> None:

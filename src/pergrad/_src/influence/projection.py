@@ -26,6 +26,9 @@ from pergrad._src.norms import flat_leaves
 
 ROWS_PER_DRAW = 512
 KINDS = ("gaussian", "rademacher")
+# A (P, k) projection matrix is drawn once and kept when it holds at most this many numbers
+# (256 MB in float32); a larger one is drawn block by block on each call, in blocks of this many.
+MAX_MATRIX_NUMBERS = 2**26
 
 
 def project(
@@ -69,6 +72,32 @@ def project(
     if result is None:  # every leaf has zero parameters
         return as_backend_array(bk, np.zeros((count, k)), flat[0])
     return result
+
+
+class SeededProjection:
+    """``grads (n, size) -> grads @ R`` with :func:`project`'s ``(size, k)`` matrix ``R`` for one
+    ``(seed, kind)``, kept between calls when ``cache`` (it holds ``size * k`` numbers), else
+    drawn block by block (``MAX_MATRIX_NUMBERS`` numbers at a time) on each call."""
+
+    def __init__(self, bk: Backend, size: int, k: int, seed: int, kind: str, cache: bool) -> None:
+        self.bk, self.size, self.k, self.seed, self.kind = bk, size, k, seed, kind
+        self.cache = cache
+        self.matrix: Any = None
+
+    def __call__(self, grads: Any) -> Any:
+        if self.cache:
+            if self.matrix is None:
+                rows = matrix_rows(self.seed, self.k, self.kind, 0, self.size)
+                self.matrix = as_backend_array(self.bk, rows, grads)
+            return grads @ self.matrix
+        block = max(1, MAX_MATRIX_NUMBERS // self.k)
+        result = None
+        for start in range(0, self.size, block):
+            stop = min(start + block, self.size)
+            rows = matrix_rows(self.seed, self.k, self.kind, start, stop)
+            term = grads[:, start:stop] @ as_backend_array(self.bk, rows, grads)
+            result = term if result is None else result + term
+        return result
 
 
 def _check_options(k: Any, seed: Any, kind: Any, block_size: Any) -> None:

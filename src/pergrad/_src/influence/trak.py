@@ -30,13 +30,10 @@ import numpy as np
 
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
-from pergrad._src.influence.kronecker import project_factored
-from pergrad._src.influence.projection import KINDS, matrix_rows
+from pergrad._src.influence.kronecker import FactoredProjection
+from pergrad._src.influence.projection import KINDS, MAX_MATRIX_NUMBERS, SeededProjection
 from pergrad._src.influence.scores import FlatLoss, check_batch, check_fn, slice_batch
 
-# The (P, k) projection matrix is drawn once per model when it holds at most this many numbers
-# (256 MB in float32); otherwise each chunk of examples is projected block by block.
-MAX_MATRIX_NUMBERS = 2**26
 # Examples whose (n, P) per-example gradients are formed at once, by default: n * P <= this.
 DEFAULT_CHUNK_NUMBERS = 2**25
 PROJECTIONS = ("dense", "factored")
@@ -175,7 +172,8 @@ class TrakOptions:
 class ModelFeaturizer:
     """Model ``index`` of an ensemble: its TRAK features and weights ``Q`` for batches.
 
-    The dense projection's ``(P, k)`` matrix is kept between calls when it holds at most
+    The dense projection's ``(P, k)`` matrix (and the factored projection's matrix for the
+    parameters outside dense layers) is kept between calls when it holds at most
     ``matrix_budget`` numbers (callers holding several models give each a share of
     :data:`MAX_MATRIX_NUMBERS`); otherwise it is drawn block by block on each call."""
 
@@ -196,13 +194,17 @@ class ModelFeaturizer:
         self.fn, self.params, self.options = fn, params, options
         self.seed = options.seed + index
         size = self.output.flat.size
-        self.projection = _Projection(
+        self.projection = SeededProjection(
             self.backend,
             size,
             options.proj_dim,
             self.seed,
             options.kind,
             size * options.proj_dim <= matrix_budget,
+        )
+        k_in, k_out = options.factored_dims
+        self.factored = FactoredProjection(
+            self.seed, k_in, k_out, options.proj_dim, matrix_budget=matrix_budget
         )
 
     def features(self, batch: tuple, count: int, target_fn: Any = None) -> Any:
@@ -220,18 +222,12 @@ class ModelFeaturizer:
         return pieces[0] if len(pieces) == 1 else bk.concatenate(pieces, axis=0)
 
     def _factored(self, fn: Any, batch: tuple, count: int) -> Any:
-        """:func:`project_factored` features, ``chunk_size`` (default 256) examples at a time."""
-        k_in, k_out = self.options.factored_dims
+        """:func:`project_factored` features, ``chunk_size`` (default 256) examples at a time,
+        with the same matrices for every call (kept between calls)."""
         step = self.output.chunk_size or 256
         pieces = [
-            project_factored(
-                fn,
-                self.params,
-                slice_batch(self.backend, batch, start, min(start + step, count)),
-                k_in=k_in,
-                k_out=k_out,
-                other_dim=self.options.proj_dim,
-                seed=self.seed,
+            self.factored(
+                fn, self.params, slice_batch(self.backend, batch, start, min(start + step, count))
             )
             for start in range(0, count, step)
         ]
@@ -254,30 +250,6 @@ class ModelFeaturizer:
                 f"shape {tuple(bk.shape(values))[1:]} per example."
             )
         return bk.stop_gradient(values)
-
-
-class _Projection:
-    """The ``(P, k)`` matrix of :func:`project` for one seed, drawn once if ``cache``."""
-
-    def __init__(self, bk: Any, size: int, k: int, seed: int, kind: str, cache: bool) -> None:
-        self.bk, self.size, self.k, self.seed, self.kind = bk, size, k, seed, kind
-        self.cache = cache
-        self.matrix: Any = None
-
-    def __call__(self, grads: Any) -> Any:
-        if self.cache:
-            if self.matrix is None:
-                rows = matrix_rows(self.seed, self.k, self.kind, 0, self.size)
-                self.matrix = as_backend_array(self.bk, rows, grads)
-            return grads @ self.matrix
-        block = max(1, MAX_MATRIX_NUMBERS // self.k)
-        result = None
-        for start in range(0, self.size, block):
-            stop = min(start + block, self.size)
-            rows = matrix_rows(self.seed, self.k, self.kind, start, stop)
-            term = grads[:, start:stop] @ as_backend_array(self.bk, rows, grads)
-            result = term if result is None else result + term
-        return result
 
 
 def _kernel_scores(bk: Any, phi: Any, phi_target: Any, dampings: list[float]) -> Any:
