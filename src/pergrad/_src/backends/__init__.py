@@ -169,10 +169,6 @@ class Backend(Protocol):
         an accelerator); None where it cannot (under ``jax.jit``, a torch.func transform or
         ``torch.compile``). Lets a step skip work that only a rare case needs."""
 
-    def unless_all(self, condition: Any, fast: Callable[[], Any], slow: Callable[[], Any]) -> Any:
-        """``fast()`` where :meth:`known_all` reads that every entry of ``condition`` holds, else
-        ``slow()`` (also wherever it cannot be read: under ``jax.jit``, a torch transform)."""
-
 
 def available_backend_names() -> tuple[str, ...]:
     return tuple(_BACKEND_MODULES)

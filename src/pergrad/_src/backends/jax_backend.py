@@ -203,11 +203,6 @@ class JaxBackend:
             return None
         return bool(jnp.all(condition))
 
-    def unless_all(self, condition: Any, fast: Callable[[], Any], slow: Callable[[], Any]) -> Any:
-        # Not lax.cond under jit: the branches' collectives (a sharded batch's all-reduce of
-        # the sum) would both be compiled in, and XLA would see twice the traffic.
-        return fast() if self.known_all(condition) else slow()
-
 
 def _varying_axes(x: Any) -> frozenset[str]:
     """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``)."""

@@ -241,9 +241,6 @@ class TorchBackend:
         except RuntimeError:  # a batched tensor of a torch.func transform has no one value
             return None
 
-    def unless_all(self, condition: Any, fast: Callable[[], Any], slow: Callable[[], Any]) -> Any:
-        return fast() if self.known_all(condition) else slow()
-
 
 _LEAF = pytree.tree_structure(torch.empty(0))
 

@@ -148,10 +148,8 @@ def records_finite(records: dict[str, list[Any]]) -> bool:
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """``torch.isfinite(x).all()`` for ``(B, ...)``, :data:`ROW_BLOCK_NUMBERS` numbers (or one
-    row) at a time."""
-    rows = max(1, ROW_BLOCK_NUMBERS // max(1, x[0].numel())) if x.dim() else 1
-    return all(bool(torch.isfinite(block).all()) for block in (x.split(rows) if x.dim() else [x]))
+    """``torch.isfinite(x).all()`` for ``(B, ...)``, a block of rows at a time."""
+    return all(bool(torch.isfinite(block).all()) for block in x.split(_rows_per_block(x)))
 
 
 def _row_problem(name: str) -> str:
@@ -173,6 +171,12 @@ def _row_local(first: torch.Tensor, weighted: torch.Tensor, weights: torch.Tenso
 ROW_BLOCK_NUMBERS = 2**22
 
 
+def _rows_per_block(x: torch.Tensor) -> int:
+    """How many rows of ``(B, ...)`` make a block of at most :data:`ROW_BLOCK_NUMBERS` numbers
+    (at least one row)."""
+    return max(1, ROW_BLOCK_NUMBERS // max(1, x[0].numel()))
+
+
 def rows_match(
     got: torch.Tensor, want: torch.Tensor, divide_by: torch.Tensor | None = None
 ) -> bool:
@@ -182,7 +186,7 @@ def rows_match(
     nan input, which a clipped sum zeroes) must be so in both: they are compared by where they
     are, the others by value. Read :data:`ROW_BLOCK_NUMBERS` numbers at a time."""
     relative, absolute = _ROW_TOLERANCE.get(checked_dtype(want), _LOW_PRECISION_TOLERANCE)
-    rows = max(1, ROW_BLOCK_NUMBERS // max(1, want[0].numel()))
+    rows = _rows_per_block(want)
     errors, sizes = [], []
     for start in range(0, want.shape[0], rows):
         got_rows, want_rows = got[start : start + rows], want[start : start + rows]

@@ -199,16 +199,15 @@ def clipped_sum(
     # The where keeps a non-finite example's rows out of the product (0 * nan would still be
     # nan) at the cost of one pass over the gradients and a B x P temporary (1.55x a torch DP
     # step, benchmarks/results/cpu/nonfinite_cost.md), so it is skipped where the norms can
-    # be read and are all finite (eager torch, JAX outside jit); under jax.jit it always runs.
-
-    def weighted(clean: bool) -> list[Any]:
-        return [
-            clipping.weights[g] @ (bk.where(finite_rows, f_leaf, 0.0) if clean else f_leaf)
-            for f_leaf, g in zip(flat, ids)
-        ]
-
-    summed = bk.unless_all(clipping.finite, lambda: weighted(False), lambda: weighted(True))
-    summed = [s.reshape(bk.shape(leaf)[1:]) for s, leaf in zip(summed, leaves)]
+    # be read and are all finite (eager torch, JAX outside jit). Under jax.jit it always runs:
+    # a lax.cond would compile both branches' all-reduce of a sharded batch's sum.
+    clean = bk.known_all(clipping.finite) is not True
+    summed = [
+        (clipping.weights[g] @ (bk.where(finite_rows, f_leaf, 0.0) if clean else f_leaf)).reshape(
+            bk.shape(leaf)[1:]
+        )
+        for f_leaf, leaf, g in zip(flat, leaves, ids)
+    ]
     return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, clipping)
 
 
