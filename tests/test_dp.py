@@ -198,6 +198,41 @@ def test_dp_optimizer_zero_noise_step_matches_a_manual_step():
     assert model.training  # the model's mode is untouched
 
 
+def test_dp_step_reports_the_strategy_that_ran_not_the_plan():
+    """A model whose examples interact in a way no assessment sees (its forward centres a
+    hidden layer over the batch): the plan is ghost, the ghost run's row check refuses, and
+    the chunked strategy stands in. ``DPStep.strategy`` must say "chunked"."""
+    torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            hidden = torch.tanh(self.a(x))
+            return self.b(hidden - hidden.mean(0, keepdim=True))
+
+    torch.manual_seed(0)
+    model = Centred()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    assert pergrad.norms.choose_strategy(loss, loss.params(), x, y).strategy == "ghost"
+    optimizer = dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        F.cross_entropy,
+        max_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+    )
+    with pytest.warns(pergrad.FallbackWarning, match="ghost strategy cannot handle"):
+        stats = optimizer.step(x, y)
+    assert stats.strategy == "chunked"
+
+
 def test_dp_optimizer_takes_a_step_on_an_empty_batch():
     torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
     import torch.nn.functional as F

@@ -188,4 +188,4 @@ def _run(
     """``(value, grad leaves)`` by the requested strategy, or the one "auto" settles on
     (``strategies/registry.py``: vmap, then layer hooks, then a loop)."""
     request = GradsRequest(spec, call, kwargs, single, diff_values, batched_values, batch_size)
-    return registry.execute("grads", request, spec.strategy)
+    return registry.execute("grads", request, spec.strategy)[0]

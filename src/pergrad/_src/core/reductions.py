@@ -9,7 +9,7 @@ chosen and run by ``strategies/registry.py``; ``choose_strategy`` shows its choi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pergrad._src.core.api import per_example_grads
 from pergrad._src.core.call import Call, Spec, analyse_call, rebuild_grads
@@ -82,8 +82,8 @@ def per_example_norms_of(
     func_name = "per_example_norms_of"
     request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
     spec, call = request.spec, request.call
-    result = registry.execute("reduce", request, strategy, chosen)
-    if chosen.strategy == "materialize":  # the per-example gradients themselves
+    result, ran = registry.execute("reduce", request, strategy, chosen)
+    if ran == "materialize":  # the per-example gradients themselves
         return per_example_norms(result, per_layer=per_layer)
     reduction = result
     if per_layer:
@@ -144,6 +144,40 @@ def clipped_sum_of(
         clipped = pergrad.dp.clipped_sum_of(loss, loss.params(), X, Y, max_norm=1.0)
         clipped.sum["fc.weight"]         # (10, 128), the sum of clipped gradients
     """
+    return clipped_sum_run(
+        fn,
+        *args,
+        max_norm=max_norm,
+        argnums=argnums,
+        in_axes=in_axes,
+        strategy=strategy,
+        chunk_size=chunk_size,
+        mask=mask,
+    ).clipped
+
+
+class ClippedRun(NamedTuple):
+    """What :func:`clipped_sum_run` returns: the clipped sum, the registry's plan for the call
+    (what :func:`choose_strategy` reports, with its reason) and the strategy that ran (the
+    plan's, or the one "auto" fell back to when it failed at run time)."""
+
+    clipped: ClippedSum
+    choice: StrategyChoice
+    strategy: str
+
+
+def clipped_sum_run(
+    fn: Callable[..., Any],
+    *args: Any,
+    max_norm: Any,
+    argnums: int | Sequence[int] = 0,
+    in_axes: Any = "auto",
+    strategy: str = "auto",
+    chunk_size: int | None = None,
+    mask: Any = None,
+) -> ClippedRun:
+    """:func:`clipped_sum_of`, with the plan and the strategy that ran (internal: for callers
+    that report them, such as ``DPOptimizer``, from one assessment of the call)."""
     func_name = "clipped_sum_of"
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group:
@@ -152,9 +186,10 @@ def clipped_sum_of(
     spec, call = request.spec, request.call
     if mask is not None:
         _check_mask(func_name, call, mask)
+    assert chosen.choice is not None  # every "reduce" strategy reports its choice
     if chosen.strategy == "materialize":
-        grads = registry.execute("reduce", request, strategy, chosen)
-        return clipped_sum(grads, max_norm, mask=mask)
+        grads, ran = registry.execute("reduce", request, strategy, chosen)
+        return ClippedRun(clipped_sum(grads, max_norm, mask=mask), chosen.choice, ran)
     ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [float(max_norm)])
 
     def group_norms(squared: list[Any]) -> list[Any]:
@@ -173,11 +208,12 @@ def clipped_sum_of(
         return weights[0] if ids is None else [weights[g] for g in ids]
 
     request.weights_from = weights_from
-    reduction = registry.execute("reduce", request, strategy, chosen)
+    reduction, ran = registry.execute("reduce", request, strategy, chosen)
     norms = group_norms(reduction.squared_norms)
     summed = rebuild_grads(spec, call, reduction.weighted_sums)
     clipping = clip_weights(call.backend, norms, bounds, mask)
-    return clip_statistics(call.backend, summed, norms, bounds, clipping)
+    clipped = clip_statistics(call.backend, summed, norms, bounds, clipping)
+    return ClippedRun(clipped, chosen.choice, ran)
 
 
 def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[float]]:

@@ -106,10 +106,12 @@ def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[As
     )  # pragma: no cover
 
 
-def execute(task: str, request: Any, requested: str, chosen: Assessment | None = None) -> Any:
-    """Run the chosen strategy (``select``'s, unless given); under "auto", on
-    :class:`Unsupported`, the next strategies of :data:`ORDER` that accept, with a
-    :class:`pergrad.FallbackWarning` naming what failed."""
+def execute(
+    task: str, request: Any, requested: str, chosen: Assessment | None = None
+) -> tuple[Any, str]:
+    """``(result, the strategy that produced it)``: run the chosen strategy (``select``'s,
+    unless given); under "auto", on :class:`Unsupported`, the next strategies of
+    :data:`ORDER` that accept, with a :class:`pergrad.FallbackWarning` naming what failed."""
     if chosen is None:
         chosen, _ = select(task, request, requested)
     strategy = _BY_NAME[task][chosen.strategy]
@@ -127,7 +129,7 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
         if task == "grads":
             settled = requested == "auto" and spec.resolved == chosen.strategy
             spec.last_reason = spec.resolved_reason if settled else chosen.why
-        return out
+        return out, chosen.strategy
     order = list(ORDER[task])
     for name in order[order.index(strategy.name) + 1 :]:
         candidate = _BY_NAME[task][name]
@@ -150,7 +152,7 @@ def execute(task: str, request: Any, requested: str, chosen: Assessment | None =
             spec.resolved_reason = "an earlier call of this function fell back to it: " + (
                 spec.last_reason
             )
-        return out
+        return out, name
     raise AssertionError(f"the last {task} strategy of ORDER runs every call")  # pragma: no cover
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.core.reductions import choose_strategy, clipped_sum_of
+from pergrad._src.core.reductions import clipped_sum_run
 from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
 from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import (
@@ -32,7 +32,9 @@ from pergrad._src.torch.module_loss import module_loss
 class DPStep:
     """What one private step did: the share of examples whose gradient was clipped, the batch
     size, and how the clipped sum was computed (``"ghost"``, ``"chunked"`` or
-    ``"materialize"``, see :func:`pergrad.norms.choose_strategy`). With ``distributed``, the
+    ``"materialize"``: the strategy that ran, which :func:`pergrad.norms.choose_strategy`
+    plans; where a planned ghost run fails its checks, the chunked one that stood in for it,
+    with a :class:`pergrad.FallbackWarning`). With ``distributed``, the
     clip fraction and batch size are over all processes, the strategy this process's.
 
     ``skipped`` (with a ``scaler`` only): the loss scale overflowed, so the step drew no noise,
@@ -327,22 +329,20 @@ class DPOptimizer:
     def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str, bool]:
         """The micro-batch's clipped sum (unscaled, non-finite examples zeroed), its strategy,
         and whether its scaled gradients overflowed (with a scaler, any non-finite example)."""
-        params = self._loss.params()
-        choice = choose_strategy(self._loss, params, *batch, strategy=self.strategy)
-        self._warn_off_ghost(choice)
         scale = 1.0
         if self._scaled_loss is not None:
             scale = self._scaled_loss.scale = self._scale()
         # Each loss times the scale gives each gradient times the scale: clipping those at
         # scale * max_norm and dividing the sum by the scale is unscaling, then clipping.
-        clipped = clipped_sum_of(
+        clipped, choice, ran = clipped_sum_run(
             self._loss,
-            params,
+            self._loss.params(),
             *batch,
             max_norm=self.max_norm * scale,
             strategy=self.strategy,
             chunk_size=self.chunk_size,
         )
+        self._warn_off_ghost(choice)
         # The step's statistics, read from the device at once (one host sync, not one each).
         clip_fraction, count, nonfinite = host_numbers(
             clipped.clip_fraction, clipped.count, clipped.nonfinite
@@ -356,7 +356,7 @@ class DPOptimizer:
                 norms=clipped.norms / scale,
                 sensitivity=self.max_norm,
             )
-        return clipped, choice.strategy, nonfinite > 0 and self._scaled_loss is not None
+        return clipped, ran, nonfinite > 0 and self._scaled_loss is not None
 
     def _warn_nonfinite(self, nonfinite: int, batch_size: int) -> None:
         """Once per optimizer: a step zeroed examples whose gradient was not finite."""
