@@ -16,12 +16,9 @@ What each model exercises:
   lm head (embedding x linear cross term).
 - T5: one table used by the encoder's and the decoder's embedding layers and by the lm head
   ((embedding, embedding) and (embedding, linear) cross terms), relative attention bias (an
-  ``nn.Embedding`` looked up with a grid of bucket ids shared by the batch), T5's layer norm
-  (an RMS norm: ``hf_rms_norm``).
-  The relative attention bias is a gap of the ghost path (see
-  :func:`test_t5_relative_attention_bias_stays_ghost`): its lookup has no batch axis, so its
-  per-example gradients cannot be read at the layer, and the step falls back to the chunked
-  strategy (same result). With the bias frozen, T5 takes the ghost path.
+  ``nn.Embedding`` looked up with a grid of bucket ids shared by the batch, its bias reused by
+  every block: the ``"position-bias"`` path, ``capture/torch_position_bias.py``), T5's layer
+  norm (an RMS norm: ``hf_rms_norm``).
 - ViT: the patch convolution, and the class token and position embeddings as bare parameters.
 - ``nn.TransformerEncoder``: ``nn.MultiheadAttention`` uses its weights through
   ``F.multi_head_attention_forward``, never through an ``nn.Linear``; its rule recomputes the
@@ -31,6 +28,7 @@ What each model exercises:
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy as np
@@ -190,7 +188,9 @@ def llama_paths(name: str) -> str:
 def t5_paths(name: str) -> str:
     if "layer_norm" in name:
         return "hf_rms_norm"  # T5LayerNorm: an RMS norm of Hugging Face's own
-    if name == "shared.weight" or "relative_attention_bias" in name:
+    if "relative_attention_bias" in name:
+        return "position-bias"  # its bias expanded to the batch while the step runs
+    if name == "shared.weight":
         return "embedding"
     return "linear"
 
@@ -218,10 +218,6 @@ MODELS = {
     "vit": (vit, vit_paths, "ghost"),
     "transformer-encoder": (encoder, encoder_paths, "ghost"),
 }
-
-
-# models whose step leaves the ghost path at run time, and why (test_..._stays_ghost below)
-GAPS = {"t5-tied": "relative attention bias: a lookup shared by the batch"}
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -283,9 +279,7 @@ def test_every_parameter_takes_the_path_reported(name):
     assert paths_taken(choice, params) == {k: paths(k) for k in params}
 
 
-# T5 with its head untied takes the loop (see GAPS); on the ghost path it is checked with the
-# relative attention bias frozen, below.
-@pytest.mark.parametrize("name", [name for name in MODELS if name != "t5-untied-head"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
     build, _, strategy = MODELS[name]
     model, loss_fn, inputs, targets = build()
@@ -296,9 +290,8 @@ def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
     want = torch_clipped_sum(per_example, max_norm)
 
     updates, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm)
-    if name not in GAPS:
-        assert not fallbacks, fallbacks
-        assert stats.strategy == strategy
+    assert not fallbacks, fallbacks
+    assert stats.strategy == strategy
     assert stats.clip_fraction == pytest.approx((norms > max_norm).mean())
     left_out = [k for k, u in updates.items() if u is None]
     assert not left_out, f"no update for {left_out}"
@@ -327,21 +320,54 @@ def test_every_parameter_gets_noise(name):
             assert abs(n.std() / std - 1.0) < 0.2, (k, n.std() / std)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: T5's relative_attention_bias is an nn.Embedding looked up with one (q, k) grid "
-    "of bucket ids for the whole batch, its output (q, k, heads) shared by every example and "
-    "reused by every block of the stack; a per-example gradient needs each example's gradient "
-    "of that shared output, which no hook on the layer (nor on T5Attention, whose position_bias "
-    "output is shared too) can read, and T5Stack cannot be run alone under vmap (its mask "
-    "creation branches on data). The ghost step falls back to the chunked strategy, whose "
-    "vmap fails for the same reason, and so to a loop: correct, slower.",
-)
-def test_t5_relative_attention_bias_stays_ghost():
+def relative_bias_attentions(model):
+    return [m for m in model.modules() if getattr(m, "has_relative_attention_bias", False)]
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_t5_relative_attention_bias_norms_are_the_loops(head):
+    """Each example's gradient norm of each relative-bias table (encoder and decoder), on the
+    ghost path, against ``loss.backward()`` one example at a time; the model's attention
+    modules are left as they were (no ``compute_bias`` left shadowing the class's)."""
+    model, loss_fn, inputs, targets = t5(head)
+    per_example = torch_module_loop_grads(model, loss_fn, inputs, targets)
+    loss = pergrad.module_loss(model, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pergrad.FallbackWarning)
+        norms = pergrad.norms.per_example_norms_of(
+            loss, loss.params(), *inputs, *targets, per_layer=True, strategy="ghost"
+        )
+    tables = [k for k in per_example if "relative_attention_bias" in k]
+    assert len(tables) == 2  # the encoder's and the decoder's
+    for name in tables:
+        want = np.linalg.norm(per_example[name].reshape(B, -1), axis=1)
+        assert want.min() > 0, name  # every example's bias gradient is there to be read
+        np.testing.assert_allclose(norms[name].double().numpy(), want, rtol=1e-4)
+    for attention in relative_bias_attentions(model):
+        assert "compute_bias" not in vars(attention)
+
+
+def test_t5_relative_bias_of_another_shape_is_refused_and_the_step_stays_exact():
+    """A ``compute_bias`` that does not return its lookup as a ``(1, heads, q, k)`` bias (here
+    scaled by 2) is not read as one: the ghost run refuses, with a FallbackWarning, and the step
+    is still the loop's clipped sum; the instance's own ``compute_bias`` is put back."""
     model, loss_fn, inputs, targets = t5("tied")
-    _, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm=1.0)
-    assert stats.strategy == "ghost"
-    assert not fallbacks, fallbacks
+
+    def doubled(self, *args, **kwargs):
+        return 2 * type(self).compute_bias(self, *args, **kwargs)
+
+    for attention in relative_bias_attentions(model):  # a bound method: a deepcopy rebinds it
+        attention.compute_bias = types.MethodType(doubled, attention)
+    per_example = torch_module_loop_grads(model, loss_fn, inputs, targets)
+    norms = torch_flat_norms(per_example)
+    max_norm = float(np.median(norms))
+    want = torch_clipped_sum(per_example, max_norm)
+    updates, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm)
+    assert any("compute_bias does not return its (q, k) lookup" in f for f in fallbacks), fallbacks
+    assert stats.strategy == "chunked"
+    assert_updates_close(updates, want, rtol=RTOL)
+    for attention in relative_bias_attentions(model):
+        assert "compute_bias" in vars(attention)  # the user's own, still there
 
 
 @pytest.mark.parametrize("head", ["tied", "untied"])

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_generic, torch_tied
+from pergrad._src.capture import torch_checks, torch_generic, torch_position_bias, torch_tied
 from pergrad._src.capture.rules import (
     in_reduction_precision,
     layer_parameters,
@@ -99,6 +99,8 @@ from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layer
 
 # The rule name of a layer without a rule, handled by torch_generic.py.
 GENERIC = "generic"
+# The kind of a position-bias table (T5's relative attention bias), torch_position_bias.py.
+POSITION_BIAS = torch_position_bias.POSITION_BIAS
 
 # Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding (under autocast, for
 # bfloat16 / float16 rounding: the norms come from the records, the batch gradient was rounded).
@@ -113,8 +115,8 @@ class GhostPlan:
     Attributes:
       layers: module name -> rule name (``"linear"``, ``"conv"``, ...) for the covered layers.
       unsupported: module name (or parameter name) -> why the ghost strategy cannot handle it.
-      generic_size: how many numbers the parameters of ``"generic"`` layers hold (their
-        per-example gradients are formed: ``B x generic_size`` numbers).
+      generic_size: how many numbers the parameters of ``"generic"`` layers and position-bias
+        tables hold (their per-example gradients are formed: ``B x generic_size`` numbers).
       tied: parameter name (as in ``params``) -> the ``(module name, attribute)`` of each layer
         sharing it, for the covered tied parameters (``{"emb.weight": [("emb", "weight"),
         ("head", "weight")]}``).
@@ -161,7 +163,10 @@ def plan(loss: ModuleLoss, params: Any) -> GhostPlan:
         module = model.get_submodule(module_name)
         rule = rule_for(module)
         problem = rule.problem(module) if rule is not None else None
-        if rule is None:
+        if problem is None and torch_position_bias.is_position_bias(model, module_name):
+            layers[module_name] = POSITION_BIAS  # looked up once for the whole batch
+            generic_size += params[name].numel()
+        elif rule is None:
             unit = torch_generic.find_unit(model, module_name)
             if unit is None:
                 unsupported[module_name or name] = f"no ghost rule for {type(module).__name__}"
@@ -252,12 +257,12 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
     elif generic > limit:
         why = (
             f"the layers without a ghost rule would need {generic:,} per-example numbers "
-            f"(more than {limit:,}) to run {_generic_units(layers)} alone"
+            f"(more than {limit:,}) to {_formed(layers)}"
         )
         return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers))
     else:
         why = "every differentiated parameter belongs to a layer with a ghost rule" + (
-            f" or is differentiated in {_generic_units(layers)} run alone ({generic:,} "
+            f" or has its per-example gradients formed: {_formed(layers)} ({generic:,} "
             f"per-example numbers)"
             if generic
             else ""
@@ -271,11 +276,18 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
     return Assessment("ghost", True, why, StrategyChoice("ghost", why, None, layers))
 
 
-def _generic_units(layers: dict[str, str]) -> str:
-    """The units run alone, named for a message: ``"'embed', the model itself"``."""
-    return ", ".join(
-        repr(name) if name else "the model itself" for name, r in layers.items() if r == GENERIC
-    )
+def _formed(layers: dict[str, str]) -> str:
+    """Where per-example gradients are formed, for a message: ``"run 'embed', the model itself
+    alone"``, ``"expand the bias of the position-bias table 'rel' to the batch"``."""
+    units = [repr(n) if n else "the model itself" for n, r in layers.items() if r == GENERIC]
+    tables = [repr(n) for n, r in layers.items() if r == POSITION_BIAS]
+    parts = [f"run {', '.join(units)} alone"] if units else []
+    if tables:
+        parts.append(
+            f"expand the bias of the position-bias table{'s' * (len(tables) > 1)} "
+            f"{', '.join(tables)} to the batch"
+        )
+    return " and ".join(parts)
 
 
 @dataclass
@@ -319,10 +331,20 @@ def capture(
     args = call.rebuild(diff, batched)
     params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
-    modules = {name: model.get_submodule(name) for name, r in layers.items() if r != GENERIC}
+    modules = {
+        name: model.get_submodule(name)
+        for name, r in layers.items()
+        if r not in (GENERIC, POSITION_BIAS)
+    }
     units = {name: model.get_submodule(name) for name, r in layers.items() if r == GENERIC}
     assigned = _unit_parameters(model, units, params)
     uses, canonical = _uses_and_aliases(model, params)
+    # each position-bias table -> the name of its weight in params
+    tables = {
+        name: canonical[_full_name(name, "weight")]
+        for name, r in layers.items()
+        if r == POSITION_BIAS
+    }
     tied = {name: owners for name, owners in uses.items() if len(owners) > 1}
     key = torch_checks.layout_key(params, [x for leaves in call.leaves[1:] for x in leaves])
     checked = key in loss.ghost_checked
@@ -331,12 +353,13 @@ def capture(
     unit_light = [
         min((params[full] for full in names.values()), key=lambda p: p.numel())
         for names in assigned.values()
-    ]
+    ] + [params[weight] for weight in tables.values()]  # a table: buckets x heads numbers
     rng = call.backend.rng_state()
     with torch.enable_grad():
         with (
             capturing(modules, batch_size) as records,
             torch_generic.capturing_units(units, batch_size) as unit_records,
+            torch_position_bias.capturing(model, list(tables), batch_size) as bias_records,
         ):
             output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
@@ -349,17 +372,20 @@ def capture(
             losses.sum(), wanted, allow_unused=True, retain_graph=not checked
         )
         # an overflowed pass (a skipped mixed-precision step) is checked on a later one
-        checking = not checked and torch_checks.records_finite({**records, **unit_records})
+        captured = {**records, **unit_records, **bias_records}
+        checking = not checked and torch_checks.records_finite(captured)
         if checking:
-            _check_layout(
-                spec, call, diff, losses, light, {**records, **unit_records}, rng, batch_size
-            )
-        del light, wanted
+            _check_layout(spec, call, diff, losses, light, captured, rng, batch_size)
+        del light, wanted, captured
         for layer_records in records.values():
             for record in layer_records:
                 record.output = None  # its gradient is recorded: free the output itself
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
+    for table, weight in tables.items():
+        unit_grads[weight] = torch_position_bias.per_example(
+            model.get_submodule(table), bias_records[table], batch_size
+        )
     found = Captured(diff, params, position, modules, records, unit_grads, tied, canonical, None)
     if not (norms or not checked):
         return found
@@ -379,6 +405,8 @@ def capture(
                 full: unit_grads[full] for full in assigned[unit].values() if full in unit_grads
             }
             torch_generic.check_sums(unit, owned, by_name)
+        for table, weight in tables.items():
+            torch_generic.check_sums(table, {weight: unit_grads[weight]}, by_name)
         _check_consistency(params, position, squared, batch_grads, batch_size)
         loss.ghost_checked.add(key)
     _fill_zeros(params, position, squared, batch_size)
