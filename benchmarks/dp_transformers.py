@@ -9,7 +9,9 @@ about 10-15 minutes on 2 idle cores.
 
 Models from small Hugging Face configs (nothing downloaded), 4 layers, no dropout, in training
 mode: GPT-2 (causal LM, its default tied embedding / lm-head; also an untied row), BERT
-(sequence classification), Llama (causal LM) at width 256 and sequence 128 and 512, and ViT
+(sequence classification), Llama (causal LM) at width 256 and sequence 128 and 512, T5
+(encoder-decoder, 4 layers each, its trainable relative attention bias, the lm head tied to the
+shared table; 128 tokens in and 128 out) and ViT
 (width 128, 32x32 images in 4x4 patches: 65 tokens). A causal LM's loss is the mean over its
 tokens of the next-token cross-entropy, so an example's loss is the mean over its own tokens.
 Four methods, each on its own copy of the model (same initialisation, same batch):
@@ -83,7 +85,7 @@ class Config:
 
 @dataclass(frozen=True)
 class Workload:
-    model: str  # "GPT-2", "GPT-2 untied", "BERT", "Llama" or "ViT"
+    model: str  # "GPT-2", "GPT-2 untied", "BERT", "Llama", "T5" or "ViT"
     length: int  # tokens per example (ViT: patches + the class token)
     batch_size: int
     explicit_ids: bool = True  # position (and token type) ids of the batch's shape
@@ -107,13 +109,14 @@ def workloads(quick: bool) -> list[Workload]:
     """The full run's batch sizes keep it near 15 minutes on 2 cores: the issue's 16 (32 for
     ViT) at sequence 128, 4 at sequence 512 (a step of 16 x 512 tokens takes seconds)."""
     if quick:
-        return [small(model) for model in ("GPT-2", "BERT", "Llama", "ViT")]
+        return [small(model) for model in ("GPT-2", "BERT", "Llama", "T5", "ViT")]
     vit_length = (FULL.image // FULL.patch) ** 2 + 1
     return [
         Workload("GPT-2", 128, 16),
         Workload("GPT-2 untied", 128, 16),
         Workload("BERT", 128, 16),
         Workload("Llama", 128, 16),
+        Workload("T5", 128, 16),
         Workload("GPT-2", 512, 4),
         Workload("BERT", 512, 4),
         Workload("Llama", 512, 4),
@@ -168,6 +171,20 @@ def hf_model(kind: str, config: Config, length: int) -> Any:
                 max_position_embeddings=length,
             )
         )
+    if kind == "T5":
+        return transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=config.vocab,
+                d_model=config.width,
+                d_kv=config.width // config.heads,
+                d_ff=4 * config.width,
+                num_layers=config.layers,
+                num_heads=config.heads,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
     return transformers.ViTForImageClassification(
         transformers.ViTConfig(
             image_size=config.image,
@@ -183,7 +200,8 @@ def hf_model(kind: str, config: Config, length: int) -> Any:
 
 
 def is_lm(workload: Workload) -> bool:
-    return workload.model in ("GPT-2", "GPT-2 untied", "Llama")
+    """A model with a loss over tokens (T5: over the decoder's)."""
+    return workload.model in ("GPT-2", "GPT-2 untied", "Llama", "T5")
 
 
 def batch(workload: Workload, config: Config) -> tuple[dict[str, Any], Any]:
@@ -196,6 +214,11 @@ def batch(workload: Workload, config: Config) -> tuple[dict[str, Any], Any]:
         images = torch.randn(size, 3, config.image, config.image, generator=generator)
         return {"pixel_values": images}, torch.randint(0, 10, (size,), generator=generator)
     ids = torch.randint(0, config.vocab, (size, workload.length + 1), generator=generator)
+    if workload.model == "T5":  # the decoder reads the targets shifted right, from token 0
+        targets = torch.randint(1, config.vocab, (size, workload.length), generator=generator)
+        start = torch.zeros(size, 1, dtype=torch.long)
+        decoder_ids = torch.cat([start, targets[:, :-1]], 1)
+        return {"input_ids": ids[:, :-1].contiguous(), "decoder_input_ids": decoder_ids}, targets
     # Contiguous, as a data loader's (Opacus views them), and with the batch's shape: with the
     # models' defaults (one row of position ids broadcast over the batch, BERT's token types
     # an expanded buffer) Opacus fails (see with_default_ids).
@@ -385,7 +408,7 @@ def agreement(config: Config) -> dict[str, str]:
 
     differences, clipped = {}, {}
     warnings.simplefilter("ignore")
-    for workload in map(small, ("GPT-2", "GPT-2 untied", "BERT", "Llama", "ViT")):
+    for workload in map(small, ("GPT-2", "GPT-2 untied", "BERT", "Llama", "T5", "ViT")):
         updates = {}
         for method in PRIVATE:
             try:
@@ -764,6 +787,7 @@ def preload() -> None:
         "GPT2LMHeadModel",
         "BertForSequenceClassification",
         "LlamaForCausalLM",
+        "T5ForConditionalGeneration",
         "ViTForImageClassification",
     ):
         getattr(transformers, name)  # the modeling modules load on first access
@@ -780,7 +804,8 @@ def main() -> None:
         "--threads", type=int, help="torch threads (default: torch's; 1 with --quick)"
     )
     parser.add_argument(
-        "--models", help="only these models, comma-separated: GPT-2, GPT-2 untied, BERT, Llama, ViT"
+        "--models",
+        help="only these models, comma-separated: GPT-2, GPT-2 untied, BERT, Llama, T5, ViT",
     )
     parser.add_argument("--out", type=Path, help="write the markdown here, the plot next to it")
     args = parser.parse_args()

@@ -246,7 +246,8 @@ def test_strategies_benchmark_quick_run(tmp_path) -> None:
 def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
     """benchmarks/dp_transformers.py --quick: every model and method has a row, Opacus's ghost
     clipping refuses GPT-2's tied embedding (reported, not untied), pergrad's rows name the
-    strategy its DP step took, and the plot is written."""
+    strategy its DP step took (T5, with its relative attention bias: ghost), and the plot is
+    written."""
     pytest.importorskip("transformers", reason="the DP benchmark runs Hugging Face models")
     pytest.importorskip("opacus", reason="the DP benchmark compares with Opacus")
     out = tmp_path / "dp_transformers.md"
@@ -262,7 +263,7 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
             cell.strip() for cell in line.split("|")[1:-1]
         )
         rows[(workload.split(" T=")[0], method)] = (strategy, ms, ratio, memory, note)
-    models = {"GPT-2", "BERT", "Llama", "ViT"}
+    models = {"GPT-2", "BERT", "Llama", "T5", "ViT"}
     methods = {"non-private", "pergrad DP", "Opacus hooks", "Opacus ghost"}
     assert set(rows) == {(model, method) for model in models for method in methods}
     assert rows[("GPT-2", "Opacus ghost")][4].startswith("refuses: NotImplementedError")
@@ -271,6 +272,7 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         strategy, ms, ratio, memory, note = rows[(model, "pergrad DP")]
         assert strategy in ("ghost", "chunked", "materialize") and not note, (model, note)
         assert float(ms) > 0 and ratio.endswith("x") and memory.endswith("x")
+    assert rows[("T5", "pergrad DP")][0] == "ghost"
     assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text
     text_lines = text.splitlines()
     start = next(i for i, line in enumerate(text_lines) if line.startswith("- The same step"))
@@ -279,11 +281,13 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         if not line.startswith("  - "):
             break
         differences.append(line[4:])
-    assert len(differences) == 11, differences  # 5 models x 2 Opacus modes, the clip share
+    assert len(differences) == 13, differences  # 6 models x 2 Opacus modes, the clip share
     for entry in differences[:-1]:
         name, value = entry.split(": ", 1)
-        if name == "GPT-2 / Opacus ghost":
+        if name in ("GPT-2 / Opacus ghost", "T5 / Opacus ghost"):  # tied tables
             assert value.startswith("refuses"), value
+        elif name == "T5 / Opacus hooks":  # its relative-bias lookup has no batch axis
+            assert value.startswith("fails"), value
         else:  # the same DP step, to float32 rounding
             assert float(value) < 1e-4, entry
     assert (tmp_path / "dp_transformers.png").stat().st_size > 0
