@@ -18,9 +18,9 @@ batch of ``B`` sequences into ``(B, D)`` features of the same dimension ``D``:
   :func:`pergrad.influence.project` to ``D`` columns (the dense projection of the full gradient,
   its ``(P, D)`` Gaussian matrix drawn block by block).
 * ``factored, tied embeddings``: ``factored`` on the same model with the output layer tied to
-  the token embedding, as GPT-2 ships: the capture engine gives a tied table's per-example
-  gradient (``B x V x width`` numbers) rather than a plug-in's reduction, so that table is
-  formed and projected densely with the other parameters (``D`` is smaller by two blocks).
+  the token embedding, as GPT-2 ships: the tied table's block is the sum of its two uses'
+  blocks, each in the table's own frame, so its ``B x V x width`` per-example gradient is never
+  formed either (``D`` is smaller by one block: one table where there were two layers).
 
 Each method runs in a FRESH Python process (``--quick``: all in this process), builds the model
 and the batch, reads the resident memory (the baseline), runs once to warm up (the capture
@@ -65,9 +65,9 @@ QUICK = Config(layers=2, width=32, heads=2, length=16, vocab=128, other_dim=16, 
 
 
 def feature_dim(config: Config, tied: bool) -> int:
-    """``D``: a ``K_IN x K_OUT`` block per Conv1D (4 a layer), the position embedding and, when
-    untied, the token embedding and the output layer; then ``other_dim`` columns."""
-    blocks = 4 * config.layers + (1 if tied else 3)
+    """``D``: a ``K_IN x K_OUT`` block per Conv1D (4 a layer), the position embedding, the
+    token embedding and, when untied, the output layer; then ``other_dim`` columns."""
+    blocks = 4 * config.layers + (2 if tied else 3)
     return blocks * K_IN * K_OUT + config.other_dim
 
 

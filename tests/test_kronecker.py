@@ -62,6 +62,59 @@ def test_torch_linear_layers_are_projected_from_their_records():
     np.testing.assert_allclose(features.numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
+def test_a_torch_table_tied_to_the_output_layer_is_projected_without_forming_it():
+    """GPT-2's pattern: the token embedding is also the output layer. The table's block is
+    ``P_rows^T G P_cols`` of its tied per-example gradient (the sum of both uses'), from the
+    two layers' records: a block of its own, not a formed gradient projected densely."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    import pergrad
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(6, 4)
+            self.mid = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    ids = torch.randint(0, 6, (BATCH, LENGTH))
+    targets = torch.randint(0, 6, (BATCH, LENGTH))
+
+    def token_loss(logits, target):
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), reduction="sum"
+        )
+
+    loss = pergrad.module_loss(model, token_loss)
+    assert list(loss.params()) == ["emb.weight", "mid.weight", "mid.bias"]
+    features = project_factored(
+        loss, loss.params(), (ids, targets), k_in=K_IN, k_out=K_OUT, other_dim=OTHER, seed=SEED
+    )
+    grads = {name: [] for name in loss.params()}
+    for b in range(BATCH):
+        model.zero_grad()
+        token_loss(model(ids[b : b + 1]), targets[b : b + 1]).backward()
+        for name, p in model.named_parameters():  # the tied table once, both uses summed
+            grads[name].append(p.grad.detach().clone().numpy())
+    grads = {k: np.stack(v) for k, v in grads.items()}
+    expected = dense_reference(
+        # the table in its own (rows, cols) frame, weight 0; mid (in, out), weight 1
+        [grads["emb.weight"], grads["mid.weight"].transpose(0, 2, 1)],
+        [(6, 4), (4, 4)],
+        [grads["mid.bias"]],
+        indices=[0, 1],
+    )
+    assert tuple(features.shape) == (BATCH, 2 * K_IN * K_OUT + OTHER)
+    np.testing.assert_allclose(features.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_jax_dense_contractions_are_projected_from_their_records():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy

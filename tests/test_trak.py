@@ -251,8 +251,9 @@ def gpt2(tied, vocab=23, width=8, length=5):
 @pytest.mark.parametrize("tied", [False, True])
 def test_factored_projection_of_gpt2_equals_projecting_its_materialised_gradients(tied):
     """GPT-2's Conv1D, nn.Embedding and output nn.Linear layers are projected from their records:
-    each block equals P_in^T G P_out of the gradient G from one-example autograd; a tied table
-    (GPT-2's default) and the biases and norms are projected densely, in parameter order."""
+    each block equals P_in^T G P_out of the gradient G from one-example autograd, a tied table
+    (GPT-2's default: the sum of its lookup's and its output layer's gradients) in its own
+    (vocabulary, width) frame; the biases and norms are projected densely, in parameter order."""
     from pergrad._src.influence.kronecker import kronecker_matrices
     from pergrad._src.influence.projection import matrix_rows
 
@@ -268,14 +269,14 @@ def test_factored_projection_of_gpt2_equals_projecting_its_materialised_gradient
         model.zero_grad()
         next_token_loss(model(ids[b : b + 1]), labels[b : b + 1]).backward()
         grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
-    # the i-th projectable layer of model.named_modules() projects with
-    # kronecker_matrices(seed, i, ...), a tied table included
+    # the i-th projectable weight of model.named_modules() projects with
+    # kronecker_matrices(seed, i, ...); tied, lm_head (the last layer) shares wte's number 0
     kinds = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Conv1D)
     met = [name for name, module in model.named_modules() if isinstance(module, kinds)]
     blocks, others = {}, []
     for name, _ in model.named_parameters():  # tied: lm_head.weight is not listed
         owner, leaf = name.rsplit(".", 1)
-        if leaf != "weight" or owner not in met or (tied and owner == "transformer.wte"):
+        if leaf != "weight" or owner not in met:
             others.append(name)
             continue
         g = np.stack([grad[name] for grad in grads])  # (B, *weight.shape)

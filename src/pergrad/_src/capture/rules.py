@@ -302,9 +302,26 @@ def parameter_owners(model: Any) -> dict[str, tuple[str, str]]:
     return owners
 
 
-def register_reduction(reduction: str, family: str) -> Callable[[ReductionFn], ReductionFn]:
+# Plug-in reductions that add over a tied parameter's uses (see register_reduction).
+_ADDITIVE: set[str] = set()
+
+
+def is_additive(reduction: str) -> bool:
+    """Whether plug-in ``reduction`` was registered with ``additive=True``."""
+    return reduction in _ADDITIVE
+
+
+def register_reduction(
+    reduction: str, family: str, additive: bool = False
+) -> Callable[[ReductionFn], ReductionFn]:
     """Decorator: teach the layer family ``family`` (a rule's name: ``"linear"``, ``"conv"``,
     ...) the plug-in reduction ``reduction``, ``fn(layer, calls, *args) -> {param: values}``.
+
+    ``additive``: the reduction is linear in the per-example gradient, and each family gives a
+    parameter's values in a frame of the parameter's own (the same for every layer using it),
+    so that a parameter tied across layers (an embedding table that is also the output layer)
+    gets the sum of its uses' values; otherwise its per-example gradient is formed. One setting
+    per reduction name, the last registration's.
 
     Raises ``ValueError`` for an unknown family, or a name that is one of the built-in three.
     """
@@ -322,6 +339,10 @@ def register_reduction(reduction: str, family: str) -> Callable[[ReductionFn], R
     def decorate(fn: ReductionFn) -> ReductionFn:
         for rule in rules.values():
             rule.plugins[reduction] = fn
+        if additive:
+            _ADDITIVE.add(reduction)
+        else:
+            _ADDITIVE.discard(reduction)
         return fn
 
     return decorate

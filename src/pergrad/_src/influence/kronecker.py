@@ -10,17 +10,20 @@ memory. An embedding table is such a layer with one-hot inputs: ``P_in^T G P_out
 P_in[row_t]^T (d_t P_out)``. It is a plug-in reduction of the capture engines (``capture/rules.py``
 for PyTorch's ``nn.Linear``, Hugging Face's ``Conv1D`` and ``nn.Embedding``,
 ``capture/jax_rules.py`` for JAX dense contractions): one batched pass gives every layer's
-features. Every other parameter's per-example gradient (biases, norms, convolutions, JAX
-lookups, a table tied to an output layer, which the engine gives as per-example gradients) is
-projected densely, with :func:`pergrad.influence.project`'s seeded matrix, block by block.
+features. A PyTorch table tied to other such layers (GPT-2's token embedding and output
+layer) is projected in its own frame, ``P_rows^T G P_cols`` for the ``(rows, cols)`` weight,
+by every layer using it (the output layer's share is ``(D P_rows)^T (A P_cols)``), and the
+shares add up to the projection of the tied gradient, which is never formed. Every other
+parameter's per-example gradient (biases, norms, convolutions, JAX lookups) is projected
+densely, with :func:`pergrad.influence.project`'s seeded matrix, block by block.
 
 ``P_in`` and ``P_out`` of layer ``i`` are Gaussian with entries ``N(0, 1/k)``, drawn from
-``numpy.random.default_rng([seed, i, side])``, where ``i`` numbers the projected layers: in
-PyTorch the layers of ``model.named_modules()`` that have the projection, in that order (fixed
-by the model, whatever a call reaches; a tied table keeps its number), in JAX the contractions
-in the order the engine meets them (for a simple MLP the same numbers on both frameworks): so
-``E[<P g, P h>] = <g, h>``, and a call on training data and one on targets, with the same
-``seed`` and model, land in the same space.
+``numpy.random.default_rng([seed, i, side])``, where ``i`` numbers the projected weights: in
+PyTorch the weights of the layers of ``model.named_modules()`` that have the projection, in
+that order (fixed by the model, whatever a call reaches; a tied table has the number of its
+first layer), in JAX the contractions in the order the engine meets them (for a simple MLP the
+same numbers on both frameworks): so ``E[<P g, P h>] = <g, h>``, and a call on training data
+and one on targets, with the same ``seed`` and model, land in the same space.
 """
 
 from __future__ import annotations
@@ -43,14 +46,20 @@ OTHER_SEED_OFFSET = 1_000_003
 
 
 class LayerMatrices:
-    """``(P_in, P_out)`` per layer key, numpy float64: layer ``positions[key]``, or without
-    ``positions`` the layers numbered in the order of first request."""
+    """``(P_in, P_out)`` per weight key, numpy float64: weight ``positions[key]``, or without
+    ``positions`` the weights numbered in the order of first request. ``tied``: the keys of
+    weights used by several projected layers, projected in the weight's own frame."""
 
     def __init__(
-        self, seed: int, k_in: int, k_out: int, positions: dict[Any, int] | None = None
+        self,
+        seed: int,
+        k_in: int,
+        k_out: int,
+        positions: dict[Any, int] | None = None,
+        tied: frozenset[Any] = frozenset(),
     ) -> None:
         self.seed, self.k_in, self.k_out = seed, k_in, k_out
-        self.positions = positions
+        self.positions, self.tied = positions, tied
         self.drawn: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def __call__(self, key: Any, width_in: int, width_out: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,26 +71,31 @@ class LayerMatrices:
         return self.drawn[key]
 
 
-def module_positions(fn: Any) -> dict[Any, int] | None:
-    """For a :func:`pergrad.module_loss`, ``id(layer) -> i`` for the ``i``-th layer of
-    ``model.named_modules()`` whose family has the projection (``nn.Linear``, ``Conv1D``,
-    ``nn.Embedding``): a layer's matrices then depend on the model alone, not on which layers
-    a call reaches or in what order the engine meets them."""
+def module_positions(fn: Any) -> tuple[dict[Any, int] | None, frozenset[Any]]:
+    """For a :func:`pergrad.module_loss`, ``(id(weight) -> i, the tied weights' ids)``: the
+    ``i``-th distinct weight of the layers of ``model.named_modules()`` whose family has the
+    projection (``nn.Linear``, ``Conv1D``, ``nn.Embedding``), and those used by more than one
+    of them. A weight's matrices then depend on the model alone, not on which layers a call
+    reaches or in what order the engine meets them. ``(None, {})`` for any other ``fn``."""
     import sys
 
     if "torch" not in sys.modules:
-        return None
+        return None, frozenset()
     from pergrad._src.capture.rules import rule_for
     from pergrad._src.torch.module_loss import ModuleLoss
 
     if not isinstance(fn, ModuleLoss):
-        return None
-    layers = []
+        return None, frozenset()
+    positions: dict[Any, int] = {}
+    tied = set()
     for _, module in fn.model.named_modules():
         rule = rule_for(module)
         if rule is not None and rule.reduction(PLUG_IN) is not None:
-            layers.append(module)
-    return {id(layer): i for i, layer in enumerate(layers)}
+            key = id(module.weight)
+            if key in positions:
+                tied.add(key)
+            positions.setdefault(key, len(positions))
+    return positions, frozenset(tied)
 
 
 def kronecker_matrices(
@@ -108,10 +122,10 @@ def project_factored(
     Args:
       fn: the loss (or output) of ONE example, ``fn(params, *example) -> scalar``; in PyTorch a
         :func:`pergrad.module_loss` (then its ``nn.Linear``, Hugging Face ``Conv1D`` and
-        ``nn.Embedding`` layers are projected from their records, except a table tied to
-        another layer, such as GPT-2's token embedding and output layer, whose per-example
-        gradient is formed and projected densely; any other torch function gets every
-        gradient projected densely, with a :class:`pergrad.FallbackWarning`); in JAX any
+        ``nn.Embedding`` layers are projected from their records, a table tied to another
+        layer (GPT-2's token embedding and output layer) in its own frame, from both uses;
+        any other torch function gets every gradient projected densely, with a
+        :class:`pergrad.FallbackWarning`); in JAX any
         traceable loss (its ``x @ W`` contractions projected from their records).
       params: the parameters (``loss.params()`` in PyTorch).
       batch: tuple of ``fn``'s batched arguments.
@@ -167,7 +181,7 @@ class FactoredProjection:
 
     def __call__(self, fn: Callable[..., Any], params: Any, batch: Sequence[Any]) -> Any:
         _register_plug_ins()
-        layers = LayerMatrices(self.seed, self.k_in, self.k_out, module_positions(fn))
+        layers = LayerMatrices(self.seed, self.k_in, self.k_out, *module_positions(fn))
         results = layer_reductions_of(
             fn, params, *batch, reduction=PLUG_IN, reduction_args=(layers,)
         )
@@ -211,29 +225,43 @@ def _register_torch() -> None:
     from pergrad._src.capture.rules import register_reduction
 
     def project(
-        layer: Any, calls: list[Any], matrices: LayerMatrices, width_in: int, width_out: int
+        layer: Any,
+        calls: list[Any],
+        matrices: LayerMatrices,
+        width_in: int,
+        width_out: int,
+        out_by_in: bool,
     ) -> Any:
+        """``(A P_in)^T (D P_out)``, ``(B, k_in, k_out)``; for a tied weight stored
+        ``(out, in)`` (``out_by_in``: ``nn.Linear``'s), in its own frame:
+        ``(D P_rows)^T (A P_cols)``."""
         a, d = torch_layers.tokens(calls, width_in, width_out)
-        p_in, p_out = matrices(id(layer), width_in, width_out)
+        key = id(layer.weight)
+        if out_by_in and key in matrices.tied:
+            a, d = d, a
+            width_in, width_out = width_out, width_in
+        p_in, p_out = matrices(key, width_in, width_out)
         bk = backend_of(a, "project_factored", "params")
         left = a @ as_backend_array(bk, p_in, a)
         right = d @ as_backend_array(bk, p_out, d)
-        return left.transpose(1, 2) @ right  # (B, k_in, k_out)
+        return left.transpose(1, 2) @ right
 
-    @register_reduction(PLUG_IN, "linear")
+    @register_reduction(PLUG_IN, "linear", additive=True)
     def linear(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        return {"weight": project(layer, calls, matrices, layer.in_features, layer.out_features)}
+        width_in, width_out = layer.in_features, layer.out_features
+        return {"weight": project(layer, calls, matrices, width_in, width_out, out_by_in=True)}
 
-    @register_reduction(PLUG_IN, "hf_conv1d")
+    @register_reduction(PLUG_IN, "hf_conv1d", additive=True)
     def hf_conv1d(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        width_in, width_out = layer.weight.shape  # Conv1D's weight is (in, out)
-        return {"weight": project(layer, calls, matrices, width_in, width_out)}
+        width_in, width_out = layer.weight.shape  # Conv1D's weight is (in, out): its own frame
+        return {"weight": project(layer, calls, matrices, width_in, width_out, out_by_in=False)}
 
-    @register_reduction(PLUG_IN, "embedding")
+    @register_reduction(PLUG_IN, "embedding", additive=True)
     def embedding(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        """A table ``(V, D)`` read at rows ``r_t``: ``sum_t P_in[r_t]^T (d_t P_out)``."""
+        """A table ``(V, D)`` read at rows ``r_t``: ``sum_t P_in[r_t]^T (d_t P_out)`` (its own
+        frame)."""
         rows, output_grads, _ = torch_layers.lookups(layer, calls)  # padding rows: zero grads
-        p_in, p_out = matrices(id(layer), layer.num_embeddings, layer.embedding_dim)
+        p_in, p_out = matrices(id(layer.weight), layer.num_embeddings, layer.embedding_dim)
         bk = backend_of(output_grads, "project_factored", "params")
         left = as_backend_array(bk, p_in, output_grads)[rows]  # (B, N, k_in)
         right = output_grads @ as_backend_array(bk, p_out, output_grads)

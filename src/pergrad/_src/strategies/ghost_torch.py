@@ -72,6 +72,7 @@ from torch import nn
 from pergrad._src.capture import torch_checks, torch_generic, torch_position_bias, torch_tied
 from pergrad._src.capture.rules import (
     in_reduction_precision,
+    is_additive,
     layer_parameters,
     parameter_owners,
     rule_for,
@@ -472,16 +473,26 @@ def layerwise(
     """Plug-in reduction ``reduction`` (``capture/rules.register_reduction``) of each parameter
     whose layer's rule has it, from one captured pass; per-example gradients of the others
     (a layer without the plug-in: its rule's ``per_example``; a generic unit's parameters; a
-    tied parameter: the sum of its uses', as a plug-in need not be linear)."""
+    tied parameter: the sum of its uses' plug-in values where the plug-in is additive and
+    every use has it, else the sum of their per-example gradients)."""
     found = capture(spec, call, loss, layers, norms=False)
     params, position = found.params, found.position
     results: list[LeafReduction | None] = [None] * len(found.diff)
+    additive = {
+        name
+        for name, uses in found.tied.items()
+        if is_additive(reduction)
+        and all(
+            owner in found.modules and rule_for(found.modules[owner]).reduction(reduction)
+            for owner, _ in uses
+        )
+    }
     tied: dict[str, torch.Tensor] = {}
     for module_name, module in found.modules.items():
         rule = rule_for(module)
         plug_in = rule.reduction(reduction)
-        uses_tied = any(
-            found.canonical.get(_full_name(module_name, p)) in found.tied
+        uses_formed = any(
+            found.canonical.get(_full_name(module_name, p)) in set(found.tied) - additive
             for p, _ in layer_parameters(module)
         )
         calls = layer_calls(module_name, found.records[module_name])
@@ -494,19 +505,21 @@ def layerwise(
         ]
         with torch.no_grad():
             values = plug_in(module, calls, *args) if plug_in is not None else {}
-            missing = uses_tied or any(p not in values for p in own)
+            missing = uses_formed or any(p not in values for p in own)
             grads = rule.per_example(module, calls) if missing else {}
         for param_name in own:
             name = found.canonical[_full_name(module_name, param_name)]
             k = position[id(params[name])]
-            if name in found.tied:
-                grad = grads[param_name]
-                tied[name] = tied[name] + grad if name in tied else grad
+            if name in found.tied:  # summed over its uses: values, or formed gradients
+                value = values[param_name] if name in additive else grads[param_name]
+                tied[name] = tied[name] + value if name in tied else value
             elif param_name in values:
                 results[k] = LeafReduction(values[param_name], True)
             else:
                 results[k] = LeafReduction(grads[param_name], False)
-    for name, value in {**tied, **found.unit_grads}.items():
+    for name, value in tied.items():
+        results[position[id(params[name])]] = LeafReduction(value, name in additive)
+    for name, value in found.unit_grads.items():
         results[position[id(params[name])]] = LeafReduction(value, False)
     batch_size = call.batch_size
     return [
