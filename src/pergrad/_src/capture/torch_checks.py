@@ -30,6 +30,7 @@ one example.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,23 @@ _LOSS_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
 # How many examples the first call runs alone: enough to catch a model output split along the
 # wrong axis or examples that interact, at the cost of a few forward passes of one example.
 LOSS_CHECKS = 8
+
+
+@dataclass(kw_only=True)
+class GradientSlot:
+    """Where a record keeps the gradient at a captured output: ``receive`` is the tensor
+    hook's. :func:`check_rows` sets ``watch`` for its second backward pass, which then goes to
+    ``watch`` instead, and ``output_grad`` keeps the first pass's."""
+
+    output_grad: torch.Tensor | None = None
+    watch: Callable[[torch.Tensor], None] | None = None
+
+    def receive(self, grad: torch.Tensor) -> None:
+        """The output gradient of a backward pass (the tensor hook's)."""
+        if self.watch is not None:
+            self.watch(grad)
+        else:
+            self.output_grad = grad
 
 
 def checked_dtype(x: torch.Tensor) -> torch.dtype:

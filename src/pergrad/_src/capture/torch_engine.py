@@ -19,7 +19,7 @@ own tensors.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 
 from pergrad._src.capture import torch_attention  # noqa: F401  (registers its rule)
 from pergrad._src.capture.rules import Recorded, rule_for
+from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
@@ -64,29 +65,18 @@ def model_and_loss_arguments(
 
 
 @dataclass
-class LayerRecord:
+class LayerRecord(GradientSlot):
     """One call of a hooked layer: what its rule reads (``Recorded.inputs``), their versions
-    when it read them, its output gradient (batch first), and whether a gradient reached an
-    output the rule does not read."""
+    when it read them, its output gradient (batch first: the ``GradientSlot``), and whether a
+    gradient reached an output the rule does not read."""
 
     inputs: tuple[Any, ...]
     input_versions: tuple[int, ...]
-    output_grad: torch.Tensor | None = None
     unread_grad: bool = False
     # The recorded output and its version then: differentiating it (while no in-place op has
     # changed it) reaches the output gradient without any weight gradient (ghost_torch.capture).
     output: torch.Tensor | None = None
     output_version: int = -1
-    # Set by torch_checks.check_rows for its second backward pass: takes that pass's output
-    # gradient instead of output_grad, which keeps the first pass's.
-    watch: Callable[[torch.Tensor], None] | None = None
-
-    def receive(self, grad: torch.Tensor) -> None:
-        """The output gradient of a backward pass (the tensor hook's)."""
-        if self.watch is not None:
-            self.watch(grad)
-        else:
-            self.output_grad = grad
 
 
 @contextmanager

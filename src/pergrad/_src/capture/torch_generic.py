@@ -30,7 +30,7 @@ on axis 0 (the first element of a tuple output), or the run is refused the same 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.capture.rules import rule_for
-from pergrad._src.capture.torch_checks import rows_match
+from pergrad._src.capture.torch_checks import GradientSlot, rows_match
 from pergrad._src.errors import GhostUnsupported
 
 # "auto" takes the ghost strategy only if the generic layers' per-example gradients stay under
@@ -75,19 +75,12 @@ def _has_rule(module: nn.Module) -> bool:
 
 
 @dataclass
-class UnitCall:
+class UnitCall(GradientSlot):
+    """One call of a unit: its arguments, its output, and the gradient there."""
+
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: torch.Tensor
-    output_grad: torch.Tensor | None = None
-    watch: Callable[[torch.Tensor], None] | None = None  # as LayerRecord's
-
-    def receive(self, grad: torch.Tensor) -> None:
-        """The output gradient of a backward pass (the tensor hook's)."""
-        if self.watch is not None:
-            self.watch(grad)
-        else:
-            self.output_grad = grad
 
 
 @contextmanager

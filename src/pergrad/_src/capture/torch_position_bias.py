@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.errors import GhostUnsupported
 
 # The layer kind reported by choose_strategy for such a table.
@@ -52,19 +53,11 @@ def is_position_bias(model: nn.Module, module_name: str) -> bool:
 
 
 @dataclass
-class BiasCall:
+class BiasCall(GradientSlot):
     """One call of ``compute_bias``: the bucket ids it looked up, and the gradient of its
-    expanded ``(B, heads, q, k)`` bias (its tensor hook's, as ``torch_engine.LayerRecord``)."""
+    expanded ``(B, heads, q, k)`` bias."""
 
     ids: torch.Tensor
-    output_grad: torch.Tensor | None = None
-    watch: Callable[[torch.Tensor], None] | None = None
-
-    def receive(self, grad: torch.Tensor) -> None:
-        if self.watch is not None:
-            self.watch(grad)
-        else:
-            self.output_grad = grad
 
 
 @contextmanager
