@@ -291,3 +291,46 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         else:  # the same DP step, to float32 rounding
             assert float(value) < 1e-4, entry
     assert (tmp_path / "dp_transformers.png").stat().st_size > 0
+
+
+def test_dp_transformers_jax_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/dp_transformers_jax.py --quick: every method has a row, pergrad's ghost step
+    names its strategy, every private gradient agrees with the hand-written vmap step's without
+    noise, and jax-privacy is measured or said to be missing."""
+    pytest.importorskip("flax", reason="the JAX DP benchmark runs flax models")
+    pytest.importorskip("optax", reason="the JAX DP benchmark's steps are optax updates")
+    out = tmp_path / "dp_transformers_jax.md"
+    command = [sys.executable, "benchmarks/dp_transformers_jax.py", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# DP-SGD step cost on small JAX transformers")
+    assert "- machine: " in text and "load average" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # no header rows
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        rows[(cells[0], cells[1])] = cells[2:]
+    methods = [
+        "non-private",
+        "pergrad ghost",
+        "pergrad auto",
+        "pergrad optax",
+        "vmap by hand",
+        "jax-privacy",
+    ]
+    assert list(rows) == [("flax linen", method) for method in methods]
+    strategy, ms, ratio, _, _, memory, _, temp_ratio, note = rows[("flax linen", "non-private")]
+    assert (ratio, memory, temp_ratio, note) == ("1.00x", "1.00x", "1.00x", "")
+    for method in ("pergrad ghost", "pergrad optax", "vmap by hand"):
+        strategy, ms, ratio, _, _, memory, _, temp_ratio, note = rows[("flax linen", method)]
+        assert not note and float(ms) > 0, (method, note)
+        assert ratio.endswith("x") and memory.endswith("x") and temp_ratio.endswith("x")
+    assert rows[("flax linen", "pergrad ghost")][0] == "ghost"
+    assert rows[("flax linen", "pergrad auto")][0] in ("ghost", "chunked", "materialize")
+    peer_note = rows[("flax linen", "jax-privacy")][-1]
+    assert peer_note == "" or peer_note.startswith("not installed"), peer_note
+    agreement = next(line for line in text.splitlines() if line.startswith("  - flax linen: "))
+    differences = dict(entry.rsplit(" ", 1) for entry in agreement[16:].split(", "))
+    assert {"pergrad ghost", "pergrad optax"} <= set(differences), agreement
+    assert all(float(value) < 1e-4 for value in differences.values()), agreement
+    assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text

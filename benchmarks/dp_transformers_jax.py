@@ -1,0 +1,728 @@
+"""DP-SGD step cost on small JAX transformers: pergrad against a hand-written ``vmap`` step and
+jax-privacy, as ratios to a non-private step (issue 19, the JAX side of
+``benchmarks/dp_transformers.py``).
+
+Run:  python benchmarks/dp_transformers_jax.py [--quick] [--out PATH.md]
+
+The committed results: ``python benchmarks/dp_transformers_jax.py --out
+benchmarks/results/cpu/dp_transformers_jax.md``; 13 minutes on 2 cores shared with other work
+(load average 6), most of it compiling (10-15 s for each private step, and again for the
+check below) and jax-privacy's step on the untied model (over 20 s each). To keep it there, the
+full run times 5 rounds (``--rounds``) of one batch size per model.
+
+Three causal language models as users write them, 4 layers, width 256, 4 heads, MLP 4x width,
+pre-layer-norm, learned positions, vocabulary 8192, sequence 128, batch 16, float32:
+
+* ``flax linen``: the token embedding tied to the output layer (``nn.Embed.attend``);
+* ``flax linen untied``: the same with its own ``nn.Dense`` output layer;
+* ``flax NNX``: the tied model written with ``flax.nnx`` (its ``Param`` state is what is
+  differentiated).
+
+An example's loss is the mean over its tokens of the next-token cross-entropy; the batch loss is
+the mean over the batch's tokens (the same thing, as every example has the same length). Every
+method is one ``jax.jit``-compiled training step (forward, backward, per-example clipping,
+Gaussian noise, an ``optax.sgd`` update) that donates the parameters and optimizer state, as a
+training loop does:
+
+* ``non-private``: ``jax.grad`` of the batch loss, ``optax.sgd``: the unit of every ratio;
+* ``pergrad ghost``: ``pergrad.dp.private_grad_of(..., strategy="ghost")``, then ``optax.sgd``;
+* ``pergrad auto``: the same with the default ``strategy="auto"``; timed only when its choice
+  (:func:`pergrad.norms.choose_strategy`) is not the ghost strategy, as it is otherwise the same
+  program;
+* ``pergrad optax``: the optax route: ``pergrad.per_example_grads`` into
+  ``pergrad.dp.dpsgd`` (``optax_aggregate`` then ``optax.sgd``);
+* ``vmap by hand``: what a user writes without a library: ``jax.vmap(jax.grad(loss))``, each
+  example's gradient clipped by its global norm, summed, Gaussian noise, ``optax.sgd``;
+* ``jax-privacy``: ``jax_privacy.clipped_grad`` (its per-example clipping, ``vmap`` inside),
+  its ``noise_addition.gaussian_privatizer`` and ``optax.sgd``; reported as not installed when
+  ``jax_privacy`` cannot be imported.
+
+All: ``max_norm=1``, ``noise_multiplier=1``, expected batch size = the batch, one fixed batch.
+Before timing, each private method's gradient without noise is checked against the one of
+``vmap by hand`` on the same workload (relative difference of the whole gradient, at most
+1e-4): a method that disagrees is reported, not timed. Time: every step compiled and run once
+first, then the median of ``--rounds`` interleaved rounds
+(:func:`pergrad.bench.timing.time_interleaved`); the ratio is the median of the per-round ratios
+to the non-private step. Memory, two views:
+
+* XLA's own: the compiled step's temporary buffers (``memory_analysis().temp_size_in_bytes``),
+  exact and free of noise;
+* the process's: each (workload, method) in a fresh process of this script, which compiles its
+  step (from a compilation cache the timing process filled), reads its resident memory (the
+  baseline), resets the peak (``/proc/self/clear_refs``, Linux) and takes a first step and then
+  one more; extra memory = peak RSS - baseline, the larger of the two is compared with the
+  non-private step's. Buffers over 64 KiB go back to the OS when freed
+  (``MALLOC_MMAP_THRESHOLD_``), so the peak is the step's working memory.
+
+Prints a markdown table; ``--out PATH.md`` also writes it with the machine named. ``--quick``:
+a smoke test (about 20 s on 2 idle cores, 45 s on busy ones): the tied linen model only, tiny
+(1 layer, width 32, 2 examples of 8 tokens), 2 rounds, compiled for speed of compilation (no
+XLA backend optimisation, the ``unsafe_rbg`` random number generator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.timing import paired_ratio, time_interleaved
+
+MODELS = ("flax linen", "flax linen untied", "flax NNX")
+METHODS = (
+    "non-private",
+    "pergrad ghost",
+    "pergrad auto",
+    "pergrad optax",
+    "vmap by hand",
+    "jax-privacy",
+)
+BASE, REFERENCE = "non-private", "vmap by hand"
+PERGRAD = ("pergrad ghost", "pergrad auto", "pergrad optax")
+GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
+MAX_NORM, NOISE, LEARNING_RATE = 1.0, 1.0, 1e-3
+AGREEMENT = 1e-4  # the largest relative difference from the hand-written step's gradient
+JOB_TIMEOUT_S = 900  # one job (a workload's timing, or one method's memory) at most
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of the models and of the batch."""
+
+    width: int = 256
+    layers: int = 4
+    heads: int = 4
+    vocab: int = 8192
+    length: int = 128
+    batch_size: int = 16
+
+
+FULL = Config()
+QUICK = Config(width=32, layers=1, heads=2, vocab=128, length=8, batch_size=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Models, batch and losses.
+
+
+def next_token_loss(logits: Any, ids: Any) -> Any:
+    """The mean next-token cross-entropy over the tokens of one sequence ``(T,)``, or of a
+    batch ``(B, T)``."""
+    import jax
+    import jax.numpy as jnp
+
+    log_probs = jax.nn.log_softmax(logits[..., :-1, :])
+    return -jnp.mean(jnp.take_along_axis(log_probs, ids[..., 1:, None], axis=-1))
+
+
+def linen_model(config: Config, tied: bool) -> Any:
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h: Any) -> Any:
+            causal = nn.make_causal_mask(jnp.ones(h.shape[-2]))[0]
+            h = h + nn.MultiHeadDotProductAttention(config.heads)(nn.LayerNorm()(h), mask=causal)
+            up = nn.Dense(4 * config.width)(nn.LayerNorm()(h))
+            return h + nn.Dense(config.width)(nn.gelu(up))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids: Any) -> Any:
+            embed = nn.Embed(config.vocab, config.width)
+            position = self.param(
+                "position", nn.initializers.normal(0.02), (config.length, config.width)
+            )
+            h = embed(ids) + position
+            for _ in range(config.layers):
+                h = Block()(h)
+            h = nn.LayerNorm()(h)
+            return embed.attend(h) if tied else nn.Dense(config.vocab)(h)
+
+    return LM()
+
+
+def nnx_model(config: Config) -> Any:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            width = config.width
+            self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(config.heads, width, decode=False, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+            self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+            self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+        def __call__(self, h: Any) -> Any:
+            causal = nnx.make_causal_mask(jnp.ones(h.shape[-2]))[0]
+            h = h + self.attention(self.norm1(h), mask=causal)
+            return h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
+            self.position = nnx.Param(
+                0.02 * jax.random.normal(rngs.params(), (config.length, config.width))
+            )
+            self.blocks = nnx.List([Block(rngs) for _ in range(config.layers)])
+            self.norm = nnx.LayerNorm(config.width, rngs=rngs)
+
+        def __call__(self, ids: Any) -> Any:
+            h = self.embed(ids) + self.position[...]
+            for block in self.blocks:
+                h = block(h)
+            return self.embed.attend(self.norm(h))
+
+    return LM(nnx.Rngs(0))
+
+
+@dataclass
+class Workload:
+    """A model's parameters, its batch ``ids`` ``(B, T)``, and its loss ``loss(params, ids)``:
+    of one example for ``ids`` of shape ``(T,)``, of the batch for ``(B, T)``."""
+
+    model: str
+    params: Any
+    ids: Any
+    loss: Callable[[Any, Any], Any]
+
+
+def workload(model: str, config: Config) -> Workload:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    shape = (config.batch_size, config.length)
+    ids = jnp.asarray(rng.integers(0, config.vocab, shape), jnp.int32)
+    if model == "flax NNX":
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(nnx_model(config), nnx.Param, ...)
+
+        def apply(params: Any, ids: Any) -> Any:
+            return nnx.merge(graphdef, params, rest)(ids)
+
+    else:
+        module = linen_model(config, tied=model == "flax linen")
+        params = jax.jit(module.init)(jax.random.key(0), ids[0])  # one compilation, not one per op
+        apply = module.apply
+
+    def loss(params: Any, ids: Any) -> Any:
+        return next_token_loss(apply(params, ids), ids)
+
+    return Workload(model, params, ids, loss)
+
+
+# --------------------------------------------------------------------------------------------
+# The methods: each a gradient and an optax transformation that makes it private.
+
+
+@dataclass
+class Route:
+    """A method's step: ``gradient(params, ids, key)`` (the private gradient itself, or the
+    per-example gradients that ``private`` clips and noises), then ``private`` (an optax
+    transformation; ``optax.identity()`` when the gradient is private already), then
+    ``optax.sgd``. ``strategy``: the pergrad strategy it takes, for the table."""
+
+    gradient: Callable[[Any, Any, Any], Any]
+    private: Any
+    strategy: str = ""
+
+
+def route(method: str, work: Workload, noise: float) -> Route:
+    """``method``'s step on ``work`` with noise multiplier ``noise``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import pergrad
+    import pergrad.dp
+    import pergrad.norms
+
+    size = work.ids.shape[0]
+    if method == BASE:
+        return Route(lambda params, ids, key: jax.grad(work.loss)(params, ids), optax.identity())
+    if method in ("pergrad ghost", "pergrad auto"):
+        strategy = "ghost" if method == "pergrad ghost" else "auto"
+        choice = pergrad.norms.choose_strategy(work.loss, work.params, work.ids, strategy=strategy)
+
+        def private_grad(params: Any, ids: Any, key: Any) -> Any:
+            grad, _ = pergrad.dp.private_grad_of(
+                work.loss,
+                params,
+                ids,
+                max_norm=MAX_NORM,
+                noise_multiplier=noise,
+                rng=key,
+                expected_batch_size=size,
+                strategy=strategy,
+            )
+            return grad
+
+        return Route(private_grad, optax.identity(), choice.strategy)
+    if method == "pergrad optax":
+        per_example = pergrad.per_example_grads(work.loss)
+        private = pergrad.dp.optax_aggregate(MAX_NORM, noise, 0, expected_batch_size=size)
+        taken = Route(lambda params, ids, key: per_example(params, ids), private)
+        jax.eval_shape(per_example, work.params, work.ids)  # sets last_strategy
+        taken.strategy = str(per_example.last_strategy)
+        return taken
+    if method == REFERENCE:
+
+        def by_hand(params: Any, ids: Any, key: Any) -> Any:
+            grads = jax.vmap(jax.grad(work.loss), in_axes=(None, 0))(params, ids)
+            norms = jax.vmap(optax.global_norm)(grads)
+            factors = jnp.minimum(1.0, MAX_NORM / norms)
+            leaves, treedef = jax.tree.flatten(grads)
+            keys = jax.random.split(key, len(leaves))
+            noisy = [
+                jnp.tensordot(factors, g, axes=1)
+                + noise * MAX_NORM * jax.random.normal(k, g.shape[1:], g.dtype)
+                for g, k in zip(leaves, keys)
+            ]
+            return jax.tree.unflatten(treedef, [g / size for g in noisy])
+
+        return Route(by_hand, optax.identity())
+    from jax_privacy import clipped_grad, noise_addition
+
+    clipped_mean = clipped_grad(
+        work.loss,
+        l2_clip_norm=MAX_NORM,
+        batch_argnums=1,
+        keep_batch_dim=False,
+        normalize_by=size,
+    )
+    privatizer = noise_addition.gaussian_privatizer(
+        stddev=noise * clipped_mean.sensitivity(), prng_key=0
+    )
+    return Route(lambda params, ids, key: clipped_mean(params, ids), privatizer)
+
+
+def missing(method: str) -> str:
+    """Why ``method`` cannot run here ("" when it can): only the peer is optional."""
+    if method != "jax-privacy":
+        return ""
+    try:
+        import jax_privacy  # noqa: F401
+    except ImportError as error:
+        return f"not installed ({error})"
+    return ""
+
+
+@dataclass
+class Step:
+    """A compiled training step and the state it carries (its own copy of the parameters:
+    the step donates them). ``call()`` takes one step and waits for it."""
+
+    compiled: Any
+    state: list[Any]
+    ids: Any
+    key: Any
+    strategy: str
+
+    def call(self) -> None:
+        import jax
+
+        self.state[:] = jax.block_until_ready(self.compiled(*self.state, self.ids, self.key))
+
+
+def build_step(method: str, work: Workload) -> Step:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    taken = route(method, work, NOISE)
+    tx = optax.chain(taken.private, optax.sgd(LEARNING_RATE))
+
+    def step(params: Any, opt_state: Any, ids: Any, key: Any) -> Any:
+        updates, opt_state = tx.update(taken.gradient(params, ids, key), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.tree.map(jnp.copy, work.params)
+    state = [params, tx.init(params)]
+    key = jax.random.key(2)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, work.ids, key).compile()
+    return Step(compiled, state, work.ids, key, taken.strategy)
+
+
+def zero_noise_gradients(methods: list[str], work: Workload) -> dict[str, list[Any]]:
+    """The private gradient of each method without noise, float64 numpy leaves; one compiled
+    program computes them all (each compilation takes seconds)."""
+    import jax
+    import numpy as np
+
+    routes = {method: route(method, work, 0.0) for method in methods}
+
+    def gradients(params: Any, ids: Any, key: Any) -> dict[str, Any]:
+        return {
+            method: taken.private.update(
+                taken.gradient(params, ids, key), taken.private.init(params), params
+            )[0]
+            for method, taken in routes.items()
+        }
+
+    grads = jax.jit(gradients)(work.params, work.ids, jax.random.key(3))
+    return {
+        method: [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(grad)]
+        for method, grad in grads.items()
+    }
+
+
+def relative_difference(got: list[Any], want: list[Any]) -> float:
+    import numpy as np
+
+    difference = sum(float(np.sum((g - w) ** 2)) for g, w in zip(got, want))
+    return math.sqrt(difference / sum(float(np.sum(w**2)) for w in want))
+
+
+def failure(error: BaseException) -> str:
+    """``fails: <class>: <message>``, the message's first line, at most 160 characters."""
+    message = (str(error).strip().splitlines() or [""])[0][:160]
+    return f"fails: {type(error).__name__}: {message}"
+
+
+# --------------------------------------------------------------------------------------------
+# The jobs, each in a fresh process of this script.
+
+
+def time_job(model: str, config: Config, rounds: int) -> dict[str, Any]:
+    """Every method's step on ``model``: compiled (XLA's memory view), checked against the
+    hand-written step without noise, run once, then timed in interleaved rounds."""
+    work = workload(model, config)
+    result: dict[str, Any] = {"failed": {}, "strategy": {}, "temp_mib": {}, "agreement": {}}
+    steps: dict[str, Step] = {}
+    for method in METHODS:
+        result["failed"][method] = missing(method)
+        if result["failed"][method]:
+            continue
+        try:
+            if method == "pergrad auto":
+                choice = route(method, work, NOISE).strategy
+                result["strategy"][method] = choice
+                if choice == result["strategy"].get("pergrad ghost"):
+                    result["failed"][method] = "the same program as pergrad ghost: not run again"
+                    continue
+            steps[method] = build_step(method, work)
+            result["strategy"][method] = steps[method].strategy
+            memory = steps[method].compiled.memory_analysis()
+            result["temp_mib"][method] = memory.temp_size_in_bytes / 2**20
+        except Exception as error:  # a method that cannot take the model is a result
+            steps.pop(method, None)
+            result["failed"][method] = failure(error)
+    if REFERENCE in steps:
+        grads = zero_noise_gradients([m for m in steps if m != BASE], work)
+        want = grads.pop(REFERENCE)
+        for method, got in grads.items():
+            difference = relative_difference(got, want)
+            result["agreement"][method] = difference
+            if not difference <= AGREEMENT:
+                steps.pop(method)
+                result["failed"][method] = (
+                    f"wrong: its gradient differs from vmap by hand's by {difference:.1e}"
+                )
+    for step in steps.values():
+        step.call()  # the first run of a compiled step, outside the timing
+    if BASE in steps:
+        timed = {method: step.call for method, step in steps.items()}
+        result["times_s"] = time_interleaved(timed, rounds, warmup=0)
+    return result
+
+
+def memory_job(model: str, config: Config, method: str) -> dict[str, Any]:
+    """Extra resident memory (MiB) of a first step and of a later one, above the RSS once the
+    step is compiled and its parameters, optimizer state and batch exist."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        return {"failed": "not measured: needs Linux's /proc/self/clear_refs"}
+    step = build_step(method, workload(model, config))
+    baseline = status_mib("VmRSS")
+    reset_peak()
+    step.call()
+    first = status_mib("VmHWM") - baseline
+    reset_peak()
+    step.call()
+    later = status_mib("VmHWM") - baseline
+    return {"first_mib": first, "later_mib": later, "baseline_mib": baseline}
+
+
+def status_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM := VmRSS
+
+
+def run_job(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:
+    """``job`` in a fresh process of this script; its result, or why there is none."""
+    command = [sys.executable, __file__, "--job", json.dumps(job), "--cache-dir", cache_dir]
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    if job["quick"]:  # a smoke test: compile fast, as the steps' speed does not matter
+        flags = os.environ.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": f"fails: no result in {JOB_TIMEOUT_S} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return {"failed": f"fails: the process exited with {done.returncode}: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def job_main(job: dict[str, Any], cache_dir: str) -> None:
+    """A job's process: the compilation cache shared with the other jobs, the job, its result
+    as the last line of the output."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if job["quick"]:
+        jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # compiles faster
+    config = QUICK if job["quick"] else FULL
+    if job["kind"] == "time":
+        result = time_job(job["model"], config, job["rounds"])
+    else:
+        try:
+            result = memory_job(job["model"], config, job["method"])
+        except Exception as error:
+            result = {"failed": failure(error)}
+    print(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------
+# Driver: the jobs, the table.
+
+
+def measure(model: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+    """A workload's timing job, then one memory job per method that ran (two at a time: their
+    resident memory is their own, and nothing is timed meanwhile)."""
+    base = {"model": model, "quick": args.quick}
+    timed = run_job(base | {"kind": "time", "rounds": args.rounds}, cache_dir)
+    if isinstance(timed["failed"], str):  # the job itself failed: so did every method
+        timed["failed"] = dict.fromkeys(METHODS, timed["failed"])
+    ran = [m for m in METHODS if m in timed.get("times_s", {})]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = {
+            m: pool.submit(run_job, base | {"kind": "memory", "method": m}, cache_dir) for m in ran
+        }
+        memory = {m: job.result() for m, job in jobs.items()}
+    return {"model": model, "timed": timed, "memory": memory}
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: times, ratios, memory, or why it is missing."""
+    timed, memory = result["timed"], result["memory"]
+    times = timed.get("times_s", {})
+    base_memory = memory.get(BASE, {})
+    base_extra = max(base_memory.get("first_mib", 0.0), base_memory.get("later_mib", 0.0))
+    base_temp = timed.get("temp_mib", {}).get(BASE)
+    rows = []
+    for method in METHODS:
+        row: dict[str, Any] = {"model": result["model"], "method": method}
+        row["strategy"] = timed.get("strategy", {}).get(method, "")
+        row["failed"] = timed["failed"].get(method) or ""
+        if method in times:
+            row["ms"] = 1e3 * statistics.median(times[method])
+            row["time_ratio"] = paired_ratio(times[method], times[BASE])
+        temp = timed.get("temp_mib", {}).get(method)
+        if temp is not None and method in times:
+            row["temp_mib"] = temp
+            row["temp_ratio"] = temp / base_temp if base_temp else None
+        mem = memory.get(method, {})
+        if "first_mib" in mem:
+            row["first_mib"], row["later_mib"] = mem["first_mib"], mem["later_mib"]
+            extra = max(mem["first_mib"], mem["later_mib"])
+            row["memory_ratio"] = extra / base_extra if base_extra > 0 else None
+        row["failed"] = row["failed"] or mem.get("failed", "")
+        rows.append(row)
+    return rows
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | method | pergrad strategy | step ms | time / non-private | extra MiB, first "
+        "step | extra MiB, later step | memory / non-private | XLA temp MiB | XLA temp / "
+        "non-private | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ms = r.get("ms", math.nan)
+        ms_text = fmt(ms, ".0f" if ms >= 10 else ".2f")  # the quick run's steps take 1 ms
+        lines.append(
+            f"| {r['model']} | {r['method']} | {r['strategy']} | {ms_text} | "
+            f"{fmt(r.get('time_ratio'), '.2f', 'x')} | {fmt(r.get('first_mib'), '.0f')} | "
+            f"{fmt(r.get('later_mib'), '.0f')} | {fmt(r.get('memory_ratio'), '.2f', 'x')} | "
+            f"{fmt(r.get('temp_mib'), '.0f')} | {fmt(r.get('temp_ratio'), '.2f', 'x')} | "
+            f"{r['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def goal_summary(rows: list[dict[str, Any]]) -> str:
+    """Where each of pergrad's routes meets the issue's goal and where it does not."""
+    lines = [
+        f"Goal (issue 19): pergrad's DP step within {GOAL_TIME}x the time and {GOAL_MEMORY}x "
+        f"the memory of the non-private step, on every workload.",
+        "",
+    ]
+    for r in rows:
+        if r["method"] not in PERGRAD or r.get("time_ratio") is None:
+            continue
+        time_ok = r["time_ratio"] <= GOAL_TIME
+        memory_ok = r.get("memory_ratio") is not None and r["memory_ratio"] <= GOAL_MEMORY
+        verdict = "met" if time_ok and memory_ok else "NOT met"
+        lines.append(
+            f"- {r['model']}, {r['method']}: {verdict} (time {fmt(r['time_ratio'], '.2f', 'x')}, "
+            f"memory {fmt(r.get('memory_ratio'), '.2f', 'x')}, XLA temp "
+            f"{fmt(r.get('temp_ratio'), '.2f', 'x')}; strategy {r['strategy'] or '—'})."
+        )
+    return "\n".join(lines)
+
+
+def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
+    """Per model, the cheapest private step and pergrad's ghost step against the hand-written
+    one; how to read the two; whether the methods compute the same step."""
+    by_key = {(r["model"], r["method"]): r for r in rows}
+    lines = ["What this shows:", ""]
+    for result in results:
+        model, times = result["model"], result["timed"].get("times_s", {})
+        private = [by_key[(model, m)] for m in METHODS if m != BASE and m in times]
+        if not private:
+            continue
+        cheapest = min(private, key=lambda r: r["time_ratio"])
+        line = (
+            f"- {model}: the cheapest private step is {cheapest['method']} "
+            f"({cheapest['time_ratio']:.2f}x the non-private step's time)"
+        )
+        if "pergrad ghost" in times and REFERENCE in times:
+            ghost, hand = by_key[(model, "pergrad ghost")], by_key[(model, REFERENCE)]
+            temp = (ghost.get("temp_mib") or math.nan) / (hand.get("temp_mib") or math.nan)
+            ratio = paired_ratio(times["pergrad ghost"], times[REFERENCE])
+            line += (
+                f"; pergrad ghost takes {ratio:.2f}x "
+                f"the time of vmap by hand and {fmt(temp, '.2f', 'x')} its XLA temporary memory"
+            )
+        lines.append(line + ".")
+    lines += [
+        "- How to read it: vmap by hand forms every example's gradient (B x P numbers) with the "
+        "multiplications of the batch gradient, and XLA forms them while the backward pass frees "
+        "the activations: its peak memory stays near the non-private step's as long as one "
+        "example's activations are about as large as the model (here "
+        f"{config.length} tokens of a vocabulary of {config.vocab}); with few tokens per "
+        "example the B x P numbers dominate. The ghost strategy never forms them: it computes "
+        "each layer's per-example norm from T x T products of the layer's inputs and of its "
+        "output gradients, then the clipped sum of the weight gradients. Those products come on "
+        "top of the weight gradients (which vmap's per-example gradients replace rather than "
+        "add to), and with T near the layers' widths they cost half as much as the weight "
+        "gradients or more: the ghost strategy's advantage is memory, not time.",
+        "- The same step: without noise, the relative difference of each private method's "
+        "gradient from vmap by hand's, on the benchmark's own batch (methods above "
+        f"{AGREEMENT:g} are reported, not timed):",
+    ]
+    for result in results:
+        agreed = result["timed"].get("agreement", {})
+        listed = ", ".join(f"{m} {d:.1e}" for m, d in agreed.items())
+        lines.append(f"  - {result['model']}: {listed or '—'}")
+    return "\n".join(lines)
+
+
+def header(args: argparse.Namespace, config: Config) -> str:
+    names = ("jax", "jaxlib", "flax", "optax", "jax-privacy", "pergrad")
+    packages = ", ".join(f"{name} {installed(name)}" for name in names)
+    sizes = (
+        f"{config.layers} layers, width {config.width}, {config.heads} heads, MLP 4x width, "
+        f"vocabulary {config.vocab}, T = {config.length} tokens, B = {config.batch_size} "
+        f"sequences; float32; max_norm {MAX_NORM}, noise_multiplier {NOISE}, optax.sgd"
+    )
+    return "\n".join(
+        [
+            "# DP-SGD step cost on small JAX transformers: pergrad, by hand and jax-privacy (CPU)",
+            "",
+            f"- machine: {cpu_model()}, {os.cpu_count()} cores; {platform.system()}, python "
+            f"{platform.python_version()}, {packages}",
+            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
+            f"{load_average()} at the end",
+            f"- models: {sizes}",
+            f"- time: median of {args.rounds} interleaved rounds of jitted steps, each compiled "
+            f"and run once first; memory: XLA's temporary buffers of the compiled step, and, "
+            f"each method in its own process, peak RSS above the RSS with the step compiled, "
+            f"over the first step and over a later one",
+            f"- command: `python benchmarks/dp_transformers_jax.py {' '.join(sys.argv[1:])}`",
+            "",
+            "",
+        ]
+    )
+
+
+def installed(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", help=f"only these, comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--out", type=Path, help="write the markdown here")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # the jobs' processes
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        job_main(json.loads(args.job), args.cache_dir)
+        return
+    if args.quick:
+        args.rounds = 2
+    config = QUICK if args.quick else FULL
+    chosen = args.models.split(",") if args.models else list(MODELS[:1] if args.quick else MODELS)
+    started = time.perf_counter()
+    results, rows = [], []
+    with tempfile.TemporaryDirectory(prefix="pergrad-dp-jax-") as cache_dir:
+        for model in chosen:
+            results.append(measure(model, args, cache_dir))
+            rows += rows_of(results[-1])
+            print(table([r for r in rows if r["model"] == model]), flush=True)
+    text = "\n\n".join([table(rows), goal_summary(rows), what_it_shows(results, rows, config)])
+    print(text)
+    print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(header(args, config) + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
