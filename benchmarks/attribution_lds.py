@@ -1,6 +1,7 @@
 """The linear datamodeling score (LDS) of attribution methods on scikit-learn's digits (issue 21).
 
 Run:  python benchmarks/attribution_lds.py [--quick] [--models mlp logreg] [--out DIR]
+      python benchmarks/attribution_lds.py --trak-seeds 5 --out DIR
 
 Ground truth (Park et al. 2023): 64 random half-size subsets of 1000 training digits; a model
 retrained on each (full batch, L-BFGS to convergence, L2 penalty 1e-3 / 2 |theta|^2, float64,
@@ -25,12 +26,19 @@ one factorisation or one set of features). On the MLP, CG is also run at several
 (``--cg-tolerances``) at the damping it chose. The load average is printed at the start and
 the end (a shared machine makes times noisy). ``--only K-FAC EK-FAC`` runs a subset of the
 methods (a partial run: do not commit its table).
+
+``--trak-seeds N`` runs only the TRAK comparison (pergrad on both frameworks against traker, 1,
+5 and 10 models, every regime), repeated over N projection seeds on the same models, and
+reports each row's mean and spread and its paired difference to traker's LDS (same models,
+same seed index), in ``attribution_lds_trak_seeds.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -74,6 +82,11 @@ LISSA = {"depth": 1000, "batch_size": 50}
 # Factored (LoGra) projection: each weight's k_in x k_out block; biases projected to OTHER_DIM.
 FACTORED_DIMS, OTHER_DIM = (32, 32), 256
 CG_TOLERANCES = [1e-6, 1e-4, 1e-3, 1e-2, 1e-1]
+# --trak-seeds: projection seed index s is pergrad's seed TRAK_SEED_STRIDE * s (its model m then
+# projects with that + m, so no two indices share a matrix) and traker's projector_seed s
+# (traker offsets its per-model and per-block seeds by 1e5 and 1e3 itself); index 0 is the
+# full run's.
+TRAK_SEED_STRIDE = 100
 
 
 # --- data and models --------------------------------------------------------------------------
@@ -347,11 +360,26 @@ def run_kfac(models: list, arrays: tuple, solver: str, draws: int = 0) -> tuple[
     return scores.numpy(), time.perf_counter() - start
 
 
-def run_trak(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+def run_trak(
+    models: list,
+    arrays: tuple,
+    seed: int = 0,
+    grid: list[float] = TRAK_GRID,
+    kind: str = "rademacher",
+) -> tuple[np.ndarray, float]:
+    """pergrad's TRAK, model ``m`` projected with seed ``seed + m``, on ``grid``."""
     x, y, xt, yt = arrays
     start = time.perf_counter()
     scores = influence.trak(
-        margin, models, (x, y), (xt, yt), weight_fn=one_minus_p, proj_dim=PROJ, damping=TRAK_GRID
+        margin,
+        models,
+        (x, y),
+        (xt, yt),
+        weight_fn=one_minus_p,
+        proj_dim=PROJ,
+        damping=grid,
+        seed=seed,
+        kind=kind,
     )
     return scores.numpy(), time.perf_counter() - start
 
@@ -410,7 +438,7 @@ def run_grad_dot_factored(models: list, arrays: tuple) -> tuple[np.ndarray, floa
     return scores.numpy()[None], time.perf_counter() - start
 
 
-def run_trak_jax(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
+def run_trak_jax(models: list, arrays: tuple, seed: int = 0) -> tuple[np.ndarray, float]:
     """The same TRAK through the JAX backend: the torch-trained weights as JAX arrays, the
     model written in ``jax.numpy`` (times include JAX's tracing)."""
     import jax
@@ -439,6 +467,7 @@ def run_trak_jax(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
         weight_fn=one_minus_p_jax,
         proj_dim=PROJ,
         damping=TRAK_GRID,
+        seed=seed,
     )
     return np.asarray(scores), time.perf_counter() - start
 
@@ -456,10 +485,13 @@ class Net(torch.nn.Module):
         return logits_of(dict(self.p), x)
 
 
-def run_traker(models: list, arrays: tuple, grid: list[float]) -> tuple[np.ndarray, float]:
+def run_traker(
+    models: list, arrays: tuple, grid: list[float], seed: int = 0
+) -> tuple[np.ndarray, float]:
     """traker with its documented calls for the first ``lambda_reg``; the other values of the
     grid re-finalise the stored features with the new ``lambda_reg`` (through traker's score
-    computer and saver, so featurisation is not repeated and only the first value is timed)."""
+    computer and saver, so featurisation is not repeated and only the first value is timed).
+    ``seed`` is traker's ``projector_seed``."""
     from trak import TRAKer
 
     logging.getLogger("TRAK").setLevel(logging.ERROR)
@@ -475,6 +507,7 @@ def run_traker(models: list, arrays: tuple, grid: list[float]) -> tuple[np.ndarr
             device="cpu",
             proj_dim=PROJ,
             use_half_precision=False,
+            projector_seed=seed,
             lambda_reg=grid[0],
             logging_level=logging.ERROR,
         )
@@ -520,6 +553,35 @@ def held_out_lds(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> 
 Method = Callable[[], tuple[np.ndarray, Any]]
 
 
+def models_label(count: int) -> str:
+    return f"{count} model{'s' if count > 1 else ''}"
+
+
+def trak_methods(
+    models: list, count: int, arrays: tuple, peers: dict[str, bool], index: int = 0
+) -> dict[str, tuple[Method, list[float]]]:
+    """The TRAK comparison's rows for the first ``count`` of ``models`` (read when a row runs):
+    pergrad (PyTorch, JAX) and traker, each projecting with its own seeded matrices, those of
+    projection seed index ``index`` (pergrad's ``seed`` ``TRAK_SEED_STRIDE * index``, traker's
+    ``projector_seed`` ``index``)."""
+    label = models_label(count)
+    seed = TRAK_SEED_STRIDE * index
+    methods: dict[str, tuple[Method, list[float]]] = {
+        f"pergrad trak, {label}": (lambda: run_trak(models[:count], arrays, seed), TRAK_GRID)
+    }
+    if peers["jax"]:
+        methods[f"pergrad trak (JAX), {label}"] = (
+            lambda: run_trak_jax(models[:count], arrays, seed),
+            TRAK_GRID,
+        )
+    if peers["traker"]:
+        methods[f"traker TRAK, {label}"] = (
+            lambda: run_traker(models[:count], arrays, TRAK_GRID, index),
+            TRAK_GRID,
+        )
+    return methods
+
+
 def methods_for(
     kind: str, models: list, arrays: tuple, sizes: tuple[int, int], peers: dict[str, bool]
 ) -> dict[str, tuple[Method, list[float] | None]]:
@@ -560,23 +622,9 @@ def methods_for(
         KFAC_GRID,
     )
     for count in (1, five, ten):
-        label = f"{count} model{'s' if count > 1 else ''}"
-        methods[f"pergrad trak, {label}"] = (
-            lambda count=count: run_trak(models[:count], arrays),
-            TRAK_GRID,
-        )
-        if peers["jax"]:
-            methods[f"pergrad trak (JAX), {label}"] = (
-                lambda count=count: run_trak_jax(models[:count], arrays),
-                TRAK_GRID,
-            )
-        if peers["traker"]:
-            methods[f"traker TRAK, {label}"] = (
-                lambda count=count: run_traker(models[:count], arrays, TRAK_GRID),
-                TRAK_GRID,
-            )
+        methods.update(trak_methods(models, count, arrays, peers))
     for count in (1, five):
-        label = f"{count} model{'s' if count > 1 else ''}"
+        label = models_label(count)
         methods[
             f"pergrad trak, factored projection ({FACTORED_DIMS[0]}x{FACTORED_DIMS[1]}), {label}"
         ] = (
@@ -586,32 +634,44 @@ def methods_for(
     return methods
 
 
-def evaluate(
-    kind: str, quick: bool, peers: dict[str, bool], only: list[str] | None = None
-) -> tuple[list[tuple[str, str, float, float]], dict[str, Any]]:
-    """The table's rows, and what the CG tolerance study needs (the models, the data, the
-    damping CG chose)."""
+def problem(kind: str, quick: bool) -> tuple[tuple[np.ndarray, ...], Any, Any, Any, tuple]:
+    """``(data, masks, outputs, ensemble sizes, data as float32 tensors)`` for ``kind``."""
     data = load_data(200 if quick else N_TRAIN, 50 if quick else N_TARGET)
     masks, outputs = ground_truth(kind, data, quick)
     sizes = (2, 3) if quick else (ENSEMBLE, 2 * ENSEMBLE)
-    models: list[dict[str, torch.Tensor]] = []  # trained below, once the methods are known
     arrays = (
         torch.tensor(data[0], dtype=torch.float32),
         torch.tensor(data[1]),
         torch.tensor(data[2], dtype=torch.float32),
         torch.tensor(data[3]),
     )
+    return data, masks, outputs, sizes, arrays
+
+
+def full_set_models(kind: str, data: tuple[np.ndarray, ...], count: int) -> list:
+    """``count`` models trained on the full training set (training seeds ``0 .. count - 1``),
+    as float32."""
+    start = time.perf_counter()
+    full = [train(kind, data[0], data[1], seed=s) for s in range(count)]
+    print(f"  {count} full-set model(s) trained in {time.perf_counter() - start:.0f} s")
+    # keys in sorted order, as JAX flattens a dict: both frameworks project the same rows
+    return [{k: p[k].float() for k in sorted(p)} for p in full]
+
+
+def evaluate(
+    kind: str, quick: bool, peers: dict[str, bool], only: list[str] | None = None
+) -> tuple[list[tuple[str, str, float, float]], dict[str, Any]]:
+    """The table's rows, and what the CG tolerance study needs (the models, the data, the
+    damping CG chose)."""
+    data, masks, outputs, sizes, arrays = problem(kind, quick)
+    models: list[dict[str, torch.Tensor]] = []  # trained below, once the methods are known
     methods = methods_for(kind, models, arrays, sizes, peers)
     if only:
         methods = {n: m for n, m in methods.items() if any(word in n for word in only)}
     needed = max(
         [1] + [int(n.rsplit(", ", 1)[1].split()[0]) for n in methods if n.endswith("models")]
     )
-    start = time.perf_counter()
-    full = [train(kind, data[0], data[1], seed=s) for s in range(needed)]
-    print(f"  {needed} full-set model(s) trained in {time.perf_counter() - start:.0f} s")
-    # keys in sorted order, as JAX flattens a dict: both frameworks project the same rows
-    models.extend({k: p[k].float() for k in sorted(p)} for p in full)
+    models.extend(full_set_models(kind, data, needed))
     rows = []
     study: dict[str, Any] = {"models": models, "arrays": arrays, "masks": masks}
     study["outputs"] = outputs
@@ -635,6 +695,139 @@ def evaluate(
         ("random scores", "-", influence.lds(random_scores, masks[1::2], outputs[1::2]), 0.0)
     )
     return rows, study
+
+
+def trak_seed_problem(kind: str, quick: bool) -> dict[str, Any]:
+    """What every seed of the TRAK comparison on ``kind`` shares: the ground truth, the
+    ensemble sizes, the data, the models (trained once), and traker's grid in pergrad's units,
+    ``damping = lambda_reg * P / k`` (traker divides its projected gradients by ``sqrt(P)`` and
+    projects with unit-variance entries; pergrad's entries have variance ``1 / k``)."""
+    data, masks, outputs, sizes, arrays = problem(kind, quick)
+    models = full_set_models(kind, data, sizes[1])
+    size = sum(v.numel() for v in models[0].values())
+    return {
+        "masks": masks,
+        "outputs": outputs,
+        "sizes": sizes,
+        "arrays": arrays,
+        "models": models,
+        "converted": [lam * size / PROJ for lam in TRAK_GRID],
+    }
+
+
+def trak_seed_run(
+    setup: dict[str, Any], peers: dict[str, bool], index: int
+) -> dict[str, tuple[float, float, float]]:
+    """The TRAK comparison at projection seed index ``index``: per row ``(chosen damping, LDS,
+    seconds)``. pergrad's PyTorch call solves on its grid and, from the same features and
+    eigendecompositions, on traker's grid in pergrad's units: the diagnostic row "traker's
+    grid x P/k" (its choice given in traker's units; both rows' seconds are that one call's)."""
+    models, arrays = setup["models"], setup["arrays"]
+    both = TRAK_GRID + setup["converted"]
+    rows, diagnostics = {}, {}
+    for count in (1, *setup["sizes"]):
+        label = models_label(count)
+        methods = trak_methods(models, count, arrays, peers, index)
+        methods[f"pergrad trak, {label}"] = (
+            functools.partial(run_trak, models[:count], arrays, TRAK_SEED_STRIDE * index, both),
+            both,
+        )
+        for name, (method, grid) in methods.items():
+            scores, seconds = method()
+            parts = [(rows, name, scores)]
+            if grid is both:
+                diagnostic = f"pergrad trak, traker's grid x P/k, {label}"
+                parts = [
+                    (rows, name, scores[: len(TRAK_GRID)]),
+                    (diagnostics, diagnostic, scores[len(TRAK_GRID) :]),
+                ]
+            for table, row, row_scores in parts:
+                value, best = held_out_lds(row_scores, setup["masks"], setup["outputs"])
+                table[row] = (TRAK_GRID[best], value, seconds)
+                print(
+                    f"  seed {index}: {row:45s} LDS {value:.4f}  (damping {TRAK_GRID[best]:g};"
+                    f" {seconds:.1f} s)",
+                    flush=True,
+                )
+    return rows | diagnostics
+
+
+def paired_difference(
+    results: dict[str, list[tuple[float, float, float]]], name: str
+) -> np.ndarray | None:
+    """Row ``name``'s LDS minus traker's with the same models, per seed index (None: no
+    traker row to pair with, or ``name`` is traker's)."""
+    peer = results.get("traker TRAK, " + name.rsplit(", ", 1)[1])
+    if name.startswith("traker") or peer is None:
+        return None
+    return np.array([run[1] for run in results[name]]) - np.array([run[1] for run in peer])
+
+
+def mean_std_se(values: np.ndarray) -> tuple[float, float, float]:
+    """Mean, sample standard deviation and standard error of the mean (NaN for one value)."""
+    if len(values) < 2:
+        return float(values.mean()), float("nan"), float("nan")
+    std = float(values.std(ddof=1))
+    return float(values.mean()), std, std / len(values) ** 0.5
+
+
+def trak_seed_table(results: dict[str, list[tuple[float, float, float]]]) -> list[str]:
+    """One row per method: the dampings chosen over the seeds, the LDS's mean and standard
+    deviation, and the paired difference to traker's LDS."""
+    lines = [
+        "| method | chosen on even subsets (seeds) | LDS mean | LDS std | minus traker: mean "
+        "| std | SE | seconds (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        chosen = collections.Counter(run[0] for run in runs)
+        picks = ", ".join(f"{value:g} x{n}" for value, n in sorted(chosen.items()))
+        mean, std, _ = mean_std_se(np.array([run[1] for run in runs]))
+        difference = paired_difference(results, name)
+        paired = "- | - | -"
+        if difference is not None:
+            d_mean, d_std, d_se = mean_std_se(difference)
+            paired = f"{d_mean:+.4f} | {d_std:.4f} | {d_se:.4f}"
+        seconds = np.mean([run[2] for run in runs])
+        lines.append(f"| {name} | {picks} | {mean:.4f} | {std:.4f} | {paired} | {seconds:.1f} |")
+    return lines
+
+
+def trak_seed_verdict(all_results: dict[str, dict[str, list]]) -> list[str]:
+    """Per framework, whether pergrad's TRAK reaches traker's LDS at equal models: each
+    comparison at or above (mean paired difference >= 0), below by less than one paired
+    standard error, or below by more."""
+    lines = []
+    for framework, prefix in (("PyTorch", "pergrad trak, "), ("JAX", "pergrad trak (JAX), ")):
+        groups: dict[str, list[str]] = {"above": [], "within": [], "below": []}
+        for kind, results in all_results.items():
+            for name in results:
+                if not name.startswith("traker TRAK, ") or prefix + name[13:] not in results:
+                    continue
+                mean, _, se = mean_std_se(paired_difference(results, prefix + name[13:]))
+                text = f"{kind}, {name[13:]}: {mean:+.4f} (SE {se:.4f})"
+                group = "above" if mean >= 0 else "within" if mean >= -se else "below"
+                groups[group].append(text)
+        total = sum(len(group) for group in groups.values())
+        if not total:
+            continue
+        if groups["below"]:
+            verdict = "NOT met"
+        elif groups["within"]:
+            verdict = "not separable from traker (below only by less than one paired SE)"
+        else:
+            verdict = "met"
+        counted = {
+            key: f"{len(group)}" + (f" ({'; '.join(group)})" if group else "")
+            for key, group in groups.items()
+        }
+        lines.append(
+            f"- pergrad-TRAK ({framework}) >= traker's LDS at equal models: {verdict}. Of "
+            f"{total} comparisons (mean paired difference, pergrad - traker), at or above "
+            f"traker in {counted['above']}; below by less than one paired SE in "
+            f"{counted['within']}; below by more than one paired SE in {counted['below']}."
+        )
+    return lines
 
 
 def cg_tolerance_study(study: dict[str, Any], tolerances: list[float]) -> list[str]:
@@ -712,6 +905,63 @@ def trak_verdict(all_rows: dict[str, list]) -> list[str]:
     return lines
 
 
+def trak_seeds_main(args: argparse.Namespace, peers: dict[str, bool]) -> None:
+    """``--trak-seeds``: the TRAK comparison over projection seeds (each seed on every regime
+    before the next seed), its tables and verdict, rewritten from the second seed on after
+    each seed (an interrupted run leaves the seeds it finished)."""
+    setups = {}
+    for kind in args.models:
+        print(f"{kind}:")
+        setups[kind] = trak_seed_problem(kind, args.quick)
+    all_results: dict[str, dict[str, list]] = {kind: {} for kind in args.models}
+    for index in range(args.trak_seeds):
+        for kind in args.models:
+            print(f"{kind}:")
+            for name, run in trak_seed_run(setups[kind], peers, index).items():
+                all_results[kind].setdefault(name, []).append(run)
+        if index >= 1:
+            write_trak_seeds(args, all_results, index + 1)
+
+
+def write_trak_seeds(args: argparse.Namespace, all_results: dict[str, dict], done: int) -> None:
+    """Print the tables and verdict of the ``done`` seeds so far; write them to ``--out``."""
+    lines = []
+    for kind, results in all_results.items():
+        lines += [f"### {TITLES[kind]}", "", *trak_seed_table(results), ""]
+    lines += ["### TRAK against traker", "", *trak_seed_verdict(all_results), ""]
+    table = "\n".join(lines)
+    print(table)
+    load = load_average()
+    print(f"load average after {done} seeds: {load}")
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    asked = "" if done == args.trak_seeds else f" (of the {args.trak_seeds} asked)"
+    header = (
+        f"# attribution_lds.py --trak-seeds {args.trak_seeds}\n\nMachine: {cpu_model()}, "
+        f"{os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}, load "
+        f"average {load} at the end (a shared machine: times are noisy), "
+        f"{datetime.date.today().isoformat()}. {N_TRAIN} training digits, {N_TARGET} targets, "
+        f"{N_SUBSETS} half-size subsets (32 to choose the damping, 32 to score), projection "
+        f"dimension k = {PROJ}, TRAK damping grid {TRAK_GRID} (pergrad's damping, traker's "
+        f"lambda_reg). The TRAK comparison of attribution_lds.md repeated over {done} "
+        f"projection seed indices s = 0 .. {done - 1}{asked} on the same models (the full-set "
+        f"models, trained once per regime): pergrad projects model m with seed "
+        f"{TRAK_SEED_STRIDE} s + m, traker with projector_seed s (s = 0 is "
+        f"attribution_lds.md's run). \"minus traker\": the row's LDS minus traker's at the "
+        f"same seed index and models; over the seeds its mean, std and SE = std / sqrt(seeds). "
+        f"Diagnostic row \"traker's grid x P/k\": pergrad searching traker's grid converted to "
+        f"pergrad's units, damping = lambda_reg P / k (P parameters: traker divides its "
+        f"projected gradients by sqrt(P) and projects with unit-variance entries, pergrad's "
+        f'have variance 1/k), solved from the same features as the "pergrad trak" row, '
+        f"whose seconds (the whole grid, the two grids together) it shares; its chosen "
+        f"damping is in traker's units. Other seconds: the whole grid (traker's: the first "
+        f"value), JAX's include tracing.\n\n"
+    )
+    with open(os.path.join(args.out, "attribution_lds_trak_seeds.md"), "w") as f:
+        f.write(header + table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run (seconds)")
@@ -735,8 +985,27 @@ def main() -> None:
         nargs="+",
         help="run only the methods whose name contains one of these words (e.g. K-FAC)",
     )
-    parser.add_argument("--out", help="write attribution_lds.md and .png into this directory")
+    parser.add_argument(
+        "--trak-seeds",
+        type=int,
+        metavar="N",
+        help=(
+            "instead of the full table: only the TRAK comparison (pergrad PyTorch and JAX, "
+            "traker; 1, 5 and 10 models; plus a diagnostic pergrad row on traker's grid in "
+            "pergrad's units) repeated over N >= 2 projection seeds on the same models, with "
+            "each row's mean and std of the LDS and its paired difference to traker's; "
+            "writes attribution_lds_trak_seeds.md after each seed from the second (costs N "
+            "times the TRAK rows of a full run: ~10 min per seed on 2 loaded CPU cores)"
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        help="write attribution_lds.md and .png (with --trak-seeds: attribution_lds_trak_seeds"
+        ".md) into this directory",
+    )
     args = parser.parse_args()
+    if args.trak_seeds is not None and (args.trak_seeds < 2 or args.only):
+        parser.error("--trak-seeds takes N >= 2 and runs its own rows (no --only)")
     torch.manual_seed(0)
     print(f"load average at the start: {load_average()}")
     peers = {"traker": not args.no_traker, "jax": not args.no_jax}
@@ -746,6 +1015,9 @@ def main() -> None:
         except ImportError:
             print(f"{peer} is not installed ({hint}): its rows are skipped")
             peers[peer] = False
+    if args.trak_seeds is not None:
+        trak_seeds_main(args, peers)
+        return
     all_rows, study_lines = {}, []
     for kind in args.models:
         print(f"{kind}:")

@@ -69,13 +69,17 @@ def trak(
         probability of the true class). Default: 1 for every example.
       target_fn: the output of one target, if not ``fn``.
       proj_dim: ``k``, the projected dimension (TRAK uses 2048 to 20480).
-      damping: ``>= 0``, added to ``Phi^T Phi`` (``lambda`` in ``traker``); 0 uses the
-        pseudo-inverse where ``Phi^T Phi`` is singular (fewer examples than ``k``). A list of
+      damping: ``>= 0``, added to ``Phi^T Phi``; 0 uses the pseudo-inverse where
+        ``Phi^T Phi`` is singular (fewer examples than ``k``). ``traker``'s ``lambda_reg`` is
+        on another scale: its features are divided by ``sqrt(P)`` (``P`` parameters) and
+        projected with unit-variance entries, where pergrad's entries have variance ``1/k``,
+        so a damping ``d`` here is ``lambda_reg = d * k / P`` there. A list of
         them (a grid to tune on) returns ``(len(damping), n_train, n_targets)`` scores from
         the same features and one eigendecomposition per model.
       seed: model ``m`` projects with seed ``seed + m`` (:func:`project`'s matrix, the same on
         both frameworks).
-      kind: ``"rademacher"`` (default, as ``traker``) or ``"gaussian"`` entries.
+      kind: ``"rademacher"`` (default, as ``traker``'s fast_jl projector on a GPU) or
+        ``"gaussian"`` (as ``traker``'s projector on a CPU) entries.
       projection: ``"dense"`` (default: the per-example gradient formed, then projected to
         ``proj_dim``) or ``"factored"`` (:func:`project_factored`: each dense layer's
         ``k_in x k_out`` block from its input and output gradient, never forming its gradient,
