@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.memory import reset_peak, status_mib
 from pergrad.bench.timing import paired_ratio, time_interleaved
 
 METHODS = ("non-private", "pergrad DP", "Opacus hooks", "Opacus ghost")
@@ -511,19 +512,6 @@ def return_freed_buffers_to_the_os() -> None:
     leaves the resident set and the next step's peak is its own (as MALLOC_MMAP_THRESHOLD_)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-
-
-def status_mib(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM := VmRSS
 
 
 def in_child(job: Callable[..., dict[str, Any]], *args: Any, threads: int | None) -> dict[str, Any]:

@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.memory import reset_peak, status_mib
 from pergrad.bench.timing import paired_ratio, time_interleaved
 
 MODELS = ("flax linen", "flax linen untied", "flax NNX")
@@ -462,19 +463,6 @@ def memory_job(model: str, config: Config, method: str) -> dict[str, Any]:
     step.call()
     later = status_mib("VmHWM") - baseline
     return {"first_mib": first, "later_mib": later, "baseline_mib": baseline}
-
-
-def status_mib(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM := VmRSS
 
 
 def run_job(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:

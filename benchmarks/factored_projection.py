@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.memory import reset_peak, status_mib
 
 METHODS = ("factored", "materialise then project", "factored, tied embeddings")
 K_IN, K_OUT = 8, 8
@@ -123,20 +124,6 @@ def featurizer(method: str, config: Config) -> Any:
     )
 
 
-def memory_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak() -> None:
-    """Reset ``VmHWM`` to the current resident memory (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-
-
 def worker(method: str, config: Config, repeats: int) -> dict[str, Any]:
     """Time and peak memory of one method, in this process."""
     import gc
@@ -146,7 +133,7 @@ def worker(method: str, config: Config, repeats: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message="There is a performance drop")
     run = featurizer(method, config)
     gc.collect()
-    baseline = memory_mb("VmRSS")  # Python, torch, the model and the batch
+    baseline = status_mib("VmRSS")  # Python, torch, the model and the batch
     features = run()  # warm-up: the capture engine's first-call checks
     gc.collect()
     reset_peak()  # the peak of the timed calls only
@@ -160,7 +147,7 @@ def worker(method: str, config: Config, repeats: int) -> dict[str, Any]:
         "dim": int(features.shape[1]),
         "seconds": median,
         "examples_per_s": config.batch_size / median,
-        "peak_mb": memory_mb("VmHWM"),
+        "peak_mb": status_mib("VmHWM"),
         "baseline_mb": baseline,
     }
 

@@ -54,10 +54,21 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def status_mib(field: str) -> float:
+    """A memory field of ``/proc/self/status`` (Linux: ``"VmRSS"``, ``"VmHWM"``) in MiB."""
+    return _status_kib(field) / 1024
+
+
+def reset_peak() -> None:
+    """Reset this process's peak resident memory (``VmHWM``) to its current one (Linux >= 4.0,
+    ``/proc/self/clear_refs``); raises ``OSError`` where that cannot be done."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _reset_peak() -> bool:
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak()
         return True
     except OSError:
         return False

@@ -487,12 +487,13 @@ def layerwise(
             for owner, _ in uses
         )
     }
+    formed_ties = set(found.tied) - additive
     tied: dict[str, torch.Tensor] = {}
     for module_name, module in found.modules.items():
         rule = rule_for(module)
         plug_in = rule.reduction(reduction)
         uses_formed = any(
-            found.canonical.get(_full_name(module_name, p)) in set(found.tied) - additive
+            found.canonical.get(_full_name(module_name, p)) in formed_ties
             for p, _ in layer_parameters(module)
         )
         calls = layer_calls(module_name, found.records[module_name])
