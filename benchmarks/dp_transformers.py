@@ -14,11 +14,13 @@ mode: GPT-2 (causal LM, its default tied embedding / lm-head; also an untied row
 shared table; 128 tokens in and 128 out) and ViT
 (width 128, 32x32 images in 4x4 patches: 65 tokens). A causal LM's loss is the mean over its
 tokens of the next-token cross-entropy, so an example's loss is the mean over its own tokens.
-Four methods, each on its own copy of the model (same initialisation, same batch):
+Five methods, each on its own copy of the model (same initialisation, same batch):
 
 * ``non-private``: forward, backward, ``torch.optim.SGD`` step: the unit of every ratio;
 * ``pergrad DP``: ``pergrad.dp.DPOptimizer(SGD, ...).step(x, y)``: per-example clipping,
   noise, the SGD step (and the strategy it took: ``DPStep.strategy``);
+* ``pergrad low-memory``: the same with ``strategy="ghost-lowmem"`` (norms in the backward
+  pass, records dropped, a second backward pass for the clipped sum);
 * ``Opacus hooks``: ``PrivacyEngine().make_private(...)`` (per-example gradients in hooks);
 * ``Opacus ghost``: the same with ``grad_sample_mode="ghost"`` (ghost clipping, two backward
   passes); it refuses tied parameters, and that is reported, not worked around.
@@ -62,7 +64,8 @@ from pergrad.bench.machine import cpu_model, load_average
 from pergrad.bench.memory import reset_peak, status_mib
 from pergrad.bench.timing import paired_ratio, time_interleaved
 
-METHODS = ("non-private", "pergrad DP", "Opacus hooks", "Opacus ghost")
+METHODS = ("non-private", "pergrad DP", "pergrad low-memory", "Opacus hooks", "Opacus ghost")
+PERGRAD = {"pergrad DP": "auto", "pergrad low-memory": "ghost-lowmem"}  # method -> strategy
 BASE = "non-private"
 PRIVATE = METHODS[1:]
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
@@ -274,8 +277,10 @@ def build_step(method: str, workload: Workload, config: Config, noise: float = N
             optimizer.step()
 
         step = Step(plain_step)
-    elif method == "pergrad DP":
-        step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
+    elif method in PERGRAD:
+        step = pergrad_step(
+            model, optimizer, inputs, targets, workload.batch_size, noise, PERGRAD[method]
+        )
     else:
         step = opacus_step(method, model, optimizer, inputs, targets, workload, noise)
     step.model = model
@@ -283,7 +288,13 @@ def build_step(method: str, workload: Workload, config: Config, noise: float = N
 
 
 def pergrad_step(
-    model: Any, optimizer: Any, inputs: Any, targets: Any, size: int, noise: float
+    model: Any,
+    optimizer: Any,
+    inputs: Any,
+    targets: Any,
+    size: int,
+    noise: float,
+    strategy: str = "auto",
 ) -> Step:
     import pergrad
 
@@ -294,6 +305,7 @@ def pergrad_step(
         max_norm=MAX_NORM,
         noise_multiplier=noise,
         expected_batch_size=size,
+        strategy=strategy,
     )
     step = Step(lambda: None)
 
@@ -610,16 +622,17 @@ def goal_summary(rows: list[dict[str, Any]]) -> str:
         "",
     ]
     for r in rows:
-        if r["method"] != "pergrad DP":
+        if r["method"] not in PERGRAD:
             continue
+        name = f"{r['workload'].name}, {r['method']}"
         if r["failed"] and r.get("time_ratio") is None:
-            lines.append(f"- {r['workload'].name}: not measured ({r['failed']}).")
+            lines.append(f"- {name}: not measured ({r['failed']}).")
             continue
         time_ok = r.get("time_ratio") is not None and r["time_ratio"] <= GOAL_TIME
         memory_ok = r.get("memory_ratio") is not None and r["memory_ratio"] <= GOAL_MEMORY
         verdict = "met" if time_ok and memory_ok else "NOT met"
         lines.append(
-            f"- {r['workload'].name}: {verdict} (time {fmt(r.get('time_ratio'), '.2f', 'x')}, "
+            f"- {name}: {verdict} (time {fmt(r.get('time_ratio'), '.2f', 'x')}, "
             f"memory {fmt(r.get('memory_ratio'), '.2f', 'x')}, of the later steps alone "
             f"{fmt(r.get('later_ratio'), '.2f', 'x')}; strategy {r['strategy'] or '—'})."
         )
@@ -639,8 +652,9 @@ def notes(
         f"- pergrad warned on {', '.join(names)}: {message}" for message, names in said.items()
     ]
     lines.append(
-        "- The same step: without noise, the relative difference of each Opacus update from "
-        "pergrad's, one step of the quick run's small models (2 examples):"
+        "- The same step: without noise, the relative difference of each other update "
+        "(pergrad's low-memory mode, Opacus) from pergrad DP's, one step of the quick run's "
+        "small models (2 examples):"
     )
     lines += [f"  - {name}: {value}" for name, value in agreed.items()]
     lines += [
@@ -707,7 +721,7 @@ def panel(
     by_key = {(r["workload"].name, r["method"]): r for r in rows}
     width = 0.8 / len(PRIVATE)
     for i, method in enumerate(PRIVATE):
-        xs = [j + (i - 1) * width for j in range(len(names))]
+        xs = [j + (i - (len(PRIVATE) - 1) / 2) * width for j in range(len(names))]
         values = [by_key[(name, method)].get(key) for name in names]
         ax.bar(xs, [v or 0.0 for v in values], width, label=method)
         for x, value, name in zip(xs, values, names):

@@ -264,7 +264,7 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         )
         rows[(workload.split(" T=")[0], method)] = (strategy, ms, ratio, memory, note)
     models = {"GPT-2", "BERT", "Llama", "T5", "ViT"}
-    methods = {"non-private", "pergrad DP", "Opacus hooks", "Opacus ghost"}
+    methods = {"non-private", "pergrad DP", "pergrad low-memory", "Opacus hooks", "Opacus ghost"}
     assert set(rows) == {(model, method) for model in models for method in methods}
     assert rows[("GPT-2", "Opacus ghost")][4].startswith("refuses: NotImplementedError")
     for model in models:
@@ -272,6 +272,7 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         strategy, ms, ratio, memory, note = rows[(model, "pergrad DP")]
         assert strategy in ("ghost", "chunked", "materialize") and not note, (model, note)
         assert float(ms) > 0 and ratio.endswith("x") and memory.endswith("x")
+        assert rows[(model, "pergrad low-memory")][0] == "ghost-lowmem", model
     assert rows[("T5", "pergrad DP")][0] == "ghost"
     assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text
     text_lines = text.splitlines()
@@ -281,7 +282,8 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
         if not line.startswith("  - "):
             break
         differences.append(line[4:])
-    assert len(differences) == 13, differences  # 6 models x 2 Opacus modes, the clip share
+    # 6 models x (pergrad low-memory, 2 Opacus modes), the clip share
+    assert len(differences) == 19, differences
     for entry in differences[:-1]:
         name, value = entry.split(": ", 1)
         if name in ("GPT-2 / Opacus ghost", "T5 / Opacus ghost"):  # tied tables

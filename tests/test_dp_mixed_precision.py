@@ -99,20 +99,26 @@ def assert_close_sum(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
     assert error <= rtol * global_norm(want), (error, global_norm(want))
 
 
+@pytest.mark.parametrize("strategy", ["ghost", "ghost-lowmem"])
 @pytest.mark.parametrize("generic", [False, True], ids=["ghost layers", "with a generic layer"])
-def test_bfloat16_autocast_step_matches_a_loop_of_clipped_gradients(generic: bool) -> None:
+def test_bfloat16_autocast_step_matches_a_loop_of_clipped_gradients(
+    generic: bool, strategy: str
+) -> None:
     model = mlp(generic)
     x, y = batch()
     want = reference_clipped_sum(model, x, y, max_norm=0.5, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        moved, stats = dp_step(model, x, y, max_norm=0.5)
-    assert stats.strategy == "ghost" and not stats.skipped
+        moved, stats = dp_step(model, x, y, max_norm=0.5, strategy=strategy)
+    assert stats.strategy == strategy and not stats.skipped
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert_close_sum(moved, want, BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("strategy", ["auto", "ghost-lowmem"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_clip_bound_holds_for_norms_that_overflow_float16_when_squared(dtype: Any) -> None:
+def test_clip_bound_holds_for_norms_that_overflow_float16_when_squared(
+    dtype: Any, strategy: str
+) -> None:
     """Inputs of size 300: each squared activation (9e4) and each squared gradient norm
     (above 1e6) is past float16's 65504. Squared in float16 the norm is inf and the example
     is dropped (contribution 0) instead of clipped to max_norm."""
@@ -120,7 +126,9 @@ def test_clip_bound_holds_for_norms_that_overflow_float16_when_squared(dtype: An
     x, y = batch(3)
     for i in range(3):
         with torch.autocast("cpu", dtype=dtype):
-            moved, stats = dp_step(model, 300.0 * x[i : i + 1], y[i : i + 1], max_norm=1.0)
+            moved, stats = dp_step(
+                model, 300.0 * x[i : i + 1], y[i : i + 1], max_norm=1.0, strategy=strategy
+            )
         assert stats.clip_fraction == 1.0
         norm = global_norm(moved)
         assert 0.99 <= norm <= 1.0 + 1e-5, (i, norm)
@@ -128,7 +136,8 @@ def test_clip_bound_holds_for_norms_that_overflow_float16_when_squared(dtype: An
             assert torch.isfinite(p).all()
 
 
-def test_grad_scaler_step_equals_the_unscaled_step_noise_included() -> None:
+@pytest.mark.parametrize("strategy", ["auto", "ghost-lowmem"])
+def test_grad_scaler_step_equals_the_unscaled_step_noise_included(strategy: str) -> None:
     """The gradients are unscaled before clipping (clipping the scaled ones at max_norm would
     shrink the step by the scale) and the noise is added after (its std is max_norm *
     noise_multiplier, not times the scale): the same generator gives the same step."""
@@ -144,6 +153,7 @@ def test_grad_scaler_step_equals_the_unscaled_step_noise_included() -> None:
             noise_multiplier=1.0,
             generator=torch.Generator().manual_seed(3),
             scaler=scaler,
+            strategy=strategy,
         )
         assert not stats.skipped
         steps.append(moved)
@@ -158,7 +168,8 @@ class CountingAccountant:
         self.steps += 1
 
 
-def test_grad_scaler_overflow_skips_the_step() -> None:
+@pytest.mark.parametrize("strategy", ["ghost", "ghost-lowmem"])
+def test_grad_scaler_overflow_skips_the_step(strategy: str) -> None:
     """float16 autocast with a scale of 2**40: the scaled output gradients overflow. The step
     is skipped (parameters as they were, no .grad), reported, the scale backed off, and the
     accountant still counts it; a later step at a workable scale goes through."""
@@ -175,6 +186,7 @@ def test_grad_scaler_overflow_skips_the_step() -> None:
         noise_multiplier=0.0,
         scaler=scaler,
         accountant=accountant,
+        strategy=strategy,
     )
     with torch.autocast("cpu", dtype=torch.float16):
         stats = optimizer.step(x, y)
@@ -185,7 +197,7 @@ def test_grad_scaler_overflow_skips_the_step() -> None:
     assert accountant.steps == 1
     with torch.autocast("cpu", dtype=torch.float16):
         stats = optimizer.step(x, y)
-    assert not stats.skipped and stats.strategy == "ghost"
+    assert not stats.skipped and stats.strategy == strategy
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert accountant.steps == 2
 

@@ -95,7 +95,7 @@ def torch_to_numpy(t):
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
-@pytest.mark.parametrize("strategy", ["ghost", "chunked", "materialize"])
+@pytest.mark.parametrize("strategy", ["ghost", "ghost-lowmem", "chunked", "materialize"])
 def test_torch_clipped_sum_of_zeroes_and_counts(strategy, bad_value):
     import torch.nn.functional as F
 

@@ -239,7 +239,9 @@ def paths_taken(choice, params: dict) -> dict[str, str]:
     return paths
 
 
-def dp_step(model, loss_fn, inputs, targets, max_norm, noise_multiplier=0.0, seed=0):
+def dp_step(
+    model, loss_fn, inputs, targets, max_norm, noise_multiplier=0.0, seed=0, strategy="auto"
+):
     """One DPOptimizer step (SGD, lr 0: the model is left as it was); the update each
     parameter got (its ``.grad``, times B), the step's stats and the FallbackWarnings."""
     optimizer = pergrad.dp.DPOptimizer(
@@ -250,6 +252,7 @@ def dp_step(model, loss_fn, inputs, targets, max_norm, noise_multiplier=0.0, see
         noise_multiplier=noise_multiplier,
         expected_batch_size=B,
         generator=torch.Generator().manual_seed(seed),
+        strategy=strategy,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -279,8 +282,11 @@ def test_every_parameter_takes_the_path_reported(name):
     assert paths_taken(choice, params) == {k: paths(k) for k in params}
 
 
+@pytest.mark.parametrize("low_memory", [False, True], ids=["auto", "ghost-lowmem"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
+def test_zero_noise_dp_step_is_the_loops_clipped_sum(name, low_memory):
+    """Also with ``strategy="ghost-lowmem"``: norms in the backward pass, records released,
+    the clipped sum from a second backward pass through the retained graph."""
     build, _, strategy = MODELS[name]
     model, loss_fn, inputs, targets = build()
     per_example = torch_module_loop_grads(model, loss_fn, inputs, targets)
@@ -289,7 +295,11 @@ def test_zero_noise_dp_step_is_the_loops_clipped_sum(name):
     assert 0 < (norms > max_norm).sum() < B  # some examples clip, some do not
     want = torch_clipped_sum(per_example, max_norm)
 
-    updates, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm)
+    if low_memory:
+        strategy = "ghost-lowmem"
+    updates, stats, fallbacks = dp_step(
+        model, loss_fn, inputs, targets, max_norm, strategy=strategy if low_memory else "auto"
+    )
     assert not fallbacks, fallbacks
     assert stats.strategy == strategy
     assert stats.clip_fraction == pytest.approx((norms > max_norm).mean())

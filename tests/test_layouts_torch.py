@@ -276,7 +276,7 @@ SETTINGS = settings(
 RUNS: dict[str, int] = {"matched": 0, "refused": 0}
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ghost", "chunked", "materialize"])
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "ghost-lowmem", "chunked", "materialize"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @SETTINGS
 @given(drawn=sizes())
@@ -317,7 +317,7 @@ def test_per_example_grads_equal_the_loop(name, strategy, drawn):
             assert_close(grads[key], value)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ghost", "chunked", "materialize"])
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "ghost-lowmem", "chunked", "materialize"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @SETTINGS
 @given(drawn=sizes())

@@ -5,8 +5,8 @@
     pergrad.norms.noise_scale(grads).b_simple                # McCandlish et al. (2018)
 
 ``per_example_norms_of(loss, params, X, Y)`` gets the norms straight from a single-example loss
-without materialising per-example gradients (``strategy="auto" | "ghost" | "chunked" |
-"materialize"``; ``choose_strategy`` says which one a call gets and why).
+without materialising per-example gradients (``strategy="auto" | "ghost" | "ghost-lowmem" |
+"chunked" | "materialize"``; ``choose_strategy`` says which one a call gets and why).
 
 Each function takes per-example gradients from either framework and returns the framework's
 arrays (or plain Python numbers for summaries).

@@ -92,10 +92,67 @@ def row_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
     return (spread**steps).to(device=like.device, dtype=like.dtype)
 
 
+@dataclass(frozen=True)
+class RowSummary:
+    """What :func:`check_rows` keeps of an output gradient that was released after the first
+    pass (the low-memory ghost strategy): three numbers per row, each linear in the row
+    (its norm is, for the positive weights the check uses), see :func:`summarize_rows`.
+
+    Attributes:
+      values: ``(B, 3)``.
+      dtype: the gradient's dtype, whose rounding the tolerance allows for.
+    """
+
+    values: torch.Tensor
+    dtype: torch.dtype
+
+
+def summarize_rows(grad: torch.Tensor) -> RowSummary:
+    """Each row's norm, sum, and inner product with a fixed ramp (``-1 .. 1`` over the row),
+    ``(B, 3)``, read :data:`ROW_BLOCK_NUMBERS` numbers at a time.
+
+    A row-local weighted gradient scales all three by the row's weight; a row that belongs to
+    another example, or mixes several, keeps them in that ratio only by coincidence. The ramp
+    is deterministic: the check draws no random numbers from the user's generators."""
+    rows = grad.detach().flatten(1)
+    wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    ramp = torch.linspace(-1.0, 1.0, rows.shape[1], dtype=wide, device=rows.device)
+    blocks = []
+    for block in rows.split(_rows_per_block(rows)):
+        block = block.to(wide)
+        blocks.append(
+            torch.stack([torch.linalg.vector_norm(block, dim=1), block.sum(1), block @ ramp], 1)
+        )
+    values = torch.cat(blocks) if blocks else rows.new_zeros((0, 3), dtype=wide)
+    return RowSummary(values, checked_dtype(grad))
+
+
+# Within this relative error of each row's norm, a second backward pass through the same graph
+# reproduces the first's output gradient (float32 rounding: for non-deterministic kernels).
+_SAME_ROWS_TOLERANCE = 1e-6
+
+
+def same_rows(first: RowSummary, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is the gradient ``first`` summarises, row by row, to within float32
+    rounding of the row's norm: equal wherever the backward pass is deterministic. (The
+    low-memory ghost strategy's second pass must give the first's gradients: its sums must
+    come from the gradients its norms did.)"""
+    second = summarize_rows(grad).values
+    if second.shape != first.values.shape:
+        return False
+    finite = torch.isfinite(first.values)
+    if not torch.equal(finite, torch.isfinite(second)):
+        return False
+    error = torch.where(finite, second - first.values, 0.0).abs().amax(1)
+    size = torch.where(finite, first.values, 0.0)[:, 0].abs()
+    return bool((error <= _SAME_ROWS_TOLERANCE * size + 1e-30).all())
+
+
 def check_rows(
     records: dict[str, list[Any]],
     weighted_backward: Callable[[torch.Tensor], None],
     weights: torch.Tensor,
+    summaries: dict[int, RowSummary] | None = None,
 ) -> None:
     """Raise :class:`GhostUnsupported` unless every record's output gradient is row-local.
 
@@ -108,11 +165,16 @@ def check_rows(
         checkpointing reruns the forward pass inside the backward pass, so that new records
         are appended, in the same order; they are removed again).
       weights: ``(B,)``, as :func:`row_weights` gives.
+      summaries: ``id(record) -> RowSummary`` for records whose first-pass gradient was
+        released (``output_grad`` None): compared through their summaries.
 
     Each weighted gradient is compared as its hook receives it and then dropped, so the pass
     holds one layer's second gradient at a time, not a second copy of every record's.
     """
-    plain = {name: [(r, r.output_grad) for r in rs] for name, rs in records.items()}
+    summaries = summaries or {}
+    plain = {
+        name: [(r, summaries.get(id(r), r.output_grad)) for r in rs] for name, rs in records.items()
+    }
     seen: set[int] = set()
     problems: list[str] = []
 
@@ -151,18 +213,21 @@ def check_rows(
             del records[name][len(before) :]
             for record, first in before:
                 record.watch = None
-                record.output_grad = first
+                record.output_grad = None if isinstance(first, RowSummary) else first
 
 
-def records_finite(records: dict[str, list[Any]]) -> bool:
-    """Whether every captured output gradient is finite: an overflowing pass (float16 under
-    too large a loss scale) says nothing about where the batch is, so it is not checked."""
+def records_finite(
+    records: dict[str, list[Any]], summaries: dict[int, RowSummary] | None = None
+) -> bool:
+    """Whether every captured output gradient (or, for a released one, its summary: a row
+    norm is finite only where the row is) is finite: an overflowing pass (float16 under too
+    large a loss scale) says nothing about where the batch is, so it is not checked."""
     return all(
         all_finite(r.output_grad)
         for rs in records.values()
         for r in rs
         if r.output_grad is not None
-    )
+    ) and all(bool(torch.isfinite(s.values).all()) for s in (summaries or {}).values())
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -178,9 +243,15 @@ def _row_problem(name: str) -> str:
     )
 
 
-def _row_local(first: torch.Tensor, weighted: torch.Tensor, weights: torch.Tensor) -> bool:
+def _row_local(
+    first: torch.Tensor | RowSummary, weighted: torch.Tensor, weights: torch.Tensor
+) -> bool:
     """Whether ``weighted`` (a layer's output gradient of ``sum_b weights[b] loss_b``) is row
-    ``b`` of ``first`` (of ``sum_b loss_b``) times ``weights[b]``, for every ``b``."""
+    ``b`` of ``first`` (of ``sum_b loss_b``, or its summary) times ``weights[b]``, for every
+    ``b``."""
+    if isinstance(first, RowSummary):
+        got = summarize_rows(weighted).values
+        return rows_match(got, first.values, divide_by=weights, dtype=first.dtype)
     return rows_match(weighted.detach().flatten(1), first.detach().flatten(1), divide_by=weights)
 
 
@@ -196,14 +267,18 @@ def _rows_per_block(x: torch.Tensor) -> int:
 
 
 def rows_match(
-    got: torch.Tensor, want: torch.Tensor, divide_by: torch.Tensor | None = None
+    got: torch.Tensor,
+    want: torch.Tensor,
+    divide_by: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> bool:
     """Whether ``(B, n)`` rows agree, each within the dtype's tolerance of its norm (plus a
     share of the largest row's, for rows that cancel to rounding noise), row ``b`` of ``got``
-    divided by ``divide_by[b]`` first if given. Entries that are not finite (an example with a
-    nan input, which a clipped sum zeroes) must be so in both: they are compared by where they
+    divided by ``divide_by[b]`` first if given; the tolerance is ``dtype``'s (default: the one
+    whose rounding ``want`` carries). Entries that are not finite (an example with a nan
+    input, which a clipped sum zeroes) must be so in both: they are compared by where they
     are, the others by value. Read :data:`ROW_BLOCK_NUMBERS` numbers at a time."""
-    relative, absolute = _ROW_TOLERANCE.get(checked_dtype(want), _LOW_PRECISION_TOLERANCE)
+    relative, absolute = _ROW_TOLERANCE.get(dtype or checked_dtype(want), _LOW_PRECISION_TOLERANCE)
     rows = _rows_per_block(want)
     errors, sizes = [], []
     for start in range(0, want.shape[0], rows):

@@ -77,7 +77,16 @@ def outer_product_squared_norms(
         return ((activations**2).sum(-1) * (output_grads**2).sum(-1)).sum((1, 2))
     # MPS has no float64: there the gradient is formed
     if gram_is_cheaper(positions, width_in, width_out) and activations.device.type != "mps":
-        return _blocked_gram(activations.double(), output_grads.double()).to(activations.dtype)
+        # a few examples at a time in float64 (at most FORMED_BLOCK_BYTES of copies): an LM
+        # head's output gradients, B x T x vocabulary, copied whole would double their memory
+        per_example = activations[0].numel() + output_grads[0].numel()
+        chunk = max(1, FORMED_BLOCK_BYTES // (8 * per_example))
+        return torch.cat(
+            [
+                _blocked_gram(a.double(), d.double()).to(activations.dtype)
+                for a, d in zip(activations.split(chunk), output_grads.split(chunk))
+            ]
+        )
     # Formed a few examples at a time (at most FORMED_BLOCK_BYTES), squared in place: an LM
     # head's p x q gradient per example would otherwise hold B p q numbers twice.
     per_chunk = width_in * width_out * activations.shape[1] * activations.element_size()

@@ -31,7 +31,7 @@ from pergrad._src.norms import per_example_norms
 from pergrad._src.strategies import registry
 from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
 
-STRATEGIES = ("auto", "materialize", "chunked", "ghost")
+STRATEGIES = ("auto", "materialize", "chunked", "ghost", "ghost-lowmem")
 
 
 def per_example_norms_of(
@@ -57,7 +57,9 @@ def per_example_norms_of(
       strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
         parameter sits in a layer with a ghost rule, and for a JAX loss whose parameters outside
         contractions need at most 2**25 per-example numbers; else ``"chunked"``), ``"ghost"``,
-        ``"chunked"``, or ``"materialize"`` (per-example gradients, then their norms).
+        ``"ghost-lowmem"`` (PyTorch: each layer's norms in the backward pass, its records
+        dropped there; a clipped sum then takes a second backward pass), ``"chunked"``, or
+        ``"materialize"`` (per-example gradients, then their norms).
       chunk_size: examples per chunk for ``"chunked"`` / ``"materialize"``.
 
     Returns:
@@ -72,7 +74,8 @@ def per_example_norms_of(
         norms = jax.jit(lambda p, x, y: pergrad.norms.per_example_norms_of(loss, p, x, y))(
             params, X, Y)
 
-    Memory: ``"ghost"`` about that of one batch gradient (plus ``B x T^2`` per sequence layer);
+    Memory: ``"ghost"`` about that of one batch gradient plus every layer's output gradients,
+    held to the end of the backward pass; ``"ghost-lowmem"`` about that of one batch gradient;
     ``"chunked"`` that of ``chunk_size`` per-example gradients.
     """
     if not isinstance(per_layer, bool):

@@ -22,6 +22,18 @@ One call:
    output gradients zeroed and the non-finite entries of its inputs replaced by 0 first
    (:func:`weighted_calls`; ``0 * nan`` would be nan), so it adds exactly nothing.
 
+The low-memory mode (``strategy="ghost-lowmem"``, :func:`_second_pass`): step 2 holds every
+layer's output gradients until step 3, where a non-private backward pass frees each layer's
+saved tensors as it goes; that is the one-pass mode's extra memory. Instead, each layer's tensor
+hook computes its norms as soon as all its calls' output gradients are in, and drops them (a
+layer sharing a tied parameter, or whose calls are not all reached, waits for the end of the
+pass); the graph is retained. For the clipped sum, a second backward pass through the same graph
+gives the same output gradients again (checked, per row, against summaries of the first's), and
+each layer's hook turns them into its weighted sum (step 4) and drops them. The sums come from
+the very gradients the norms did, so the bound holds as exactly as in one pass (a backward pass
+of the clip-weighted losses would not: under autocast it rounds each example differently).
+Cost: one more backward pass without weight gradients.
+
 Tensor hooks (not ``autograd.grad`` with respect to the outputs) because they see the gradient
 of the value the layer produced even when a later in-place op (``ReLU(inplace=True)``) rewrites
 it. Module hooks are removed in ``finally``; tensor hooks live on this call's own tensors.
@@ -62,7 +74,8 @@ What the hooks cannot see, and how it is handled:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,9 +247,10 @@ def _tie_problem(
     return None
 
 
-def assess(request: ReduceRequest, forced: bool) -> Assessment:
+def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessment:
     """The registry's question for a ``module_loss``: every differentiated parameter in a layer
-    with a rule (or in a unit run alone whose per-example gradients stay small under "auto")?"""
+    with a rule (or in a unit run alone whose per-example gradients stay small under "auto")?
+    ``name``: the strategy asking (``"ghost"`` or ``"ghost-lowmem"``, whose plan is the same)."""
     spec = request.spec
     if spec.argnums != (0,) or not spec.single_argnum:
         found = GhostPlan(
@@ -248,9 +262,7 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
     if unsupported:
         listing = "; ".join(f"{layer!r}: {problem}" for layer, problem in unsupported.items())
         why = listing if forced else "layers without a ghost rule: " + listing
-        return Assessment(
-            "ghost", False, why, StrategyChoice("ghost", why, None, layers, unsupported)
-        )
+        return Assessment(name, False, why, StrategyChoice(name, why, None, layers, unsupported))
     generic = request.call.batch_size * found.generic_size
     limit = torch_generic.MAX_MATERIALIZED_NUMBERS
     if forced:
@@ -260,7 +272,7 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
             f"the layers without a ghost rule would need {generic:,} per-example numbers "
             f"(more than {limit:,}) to {_formed(layers)}"
         )
-        return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers))
+        return Assessment(name, False, why, StrategyChoice(name, why, None, layers))
     else:
         why = "every differentiated parameter belongs to a layer with a ghost rule" + (
             f" or has its per-example gradients formed: {_formed(layers)} ({generic:,} "
@@ -270,11 +282,11 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
         )
         if found.tied:
             ties = "; ".join(
-                f"{name!r} by layers {[owner for owner, _ in uses]}"
-                for name, uses in found.tied.items()
+                f"{tied!r} by layers {[owner for owner, _ in uses]}"
+                for tied, uses in found.tied.items()
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
-    return Assessment("ghost", True, why, StrategyChoice("ghost", why, None, layers))
+    return Assessment(name, True, why, StrategyChoice(name, why, None, layers))
 
 
 def _formed(layers: dict[str, str]) -> str:
@@ -305,6 +317,8 @@ class Captured:
       tied: name -> the layers sharing it; ``canonical``: every name of a parameter in the
         model -> its name in ``params``.
       squared: per leaf ``(B,)`` squared norms, or None when not asked for.
+      second: what the low-memory mode's second backward pass needs (when a weighted sum
+        follows), else None.
     """
 
     diff: list[torch.Tensor]
@@ -316,14 +330,46 @@ class Captured:
     tied: dict[str, list[tuple[str, str]]]
     canonical: dict[str, str]
     squared: list[Any] | None
+    second: SecondPass | None = None
+
+
+@dataclass
+class SecondPass:
+    """The low-memory mode's state between its two backward passes.
+
+    Attributes:
+      losses: ``(B,)`` per-example losses, their graph retained.
+      light: what the first pass differentiated (biases, recorded outputs).
+      summaries: ``id(record) -> RowSummary`` of each record's first-pass output gradient:
+        the second pass must reproduce them.
+      pending: a first run's batch-gradient checks, left to the second pass (which then
+        differentiates every parameter): the layout key, the units and tables to check.
+    """
+
+    losses: torch.Tensor
+    light: list[torch.Tensor]
+    summaries: dict[int, torch_checks.RowSummary]
+    pending: tuple[Any, dict[str, dict[str, str]], dict[str, str]] | None = None
 
 
 def capture(
-    spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str], norms: bool = True
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    norms: bool = True,
+    low_memory: bool = False,
+    retain: bool = False,
 ) -> Captured:
     """The model once over the batch with every layer of ``layers`` hooked (steps 1-2 of the
     module docstring), the first run of a layout checked; with ``norms`` (always on a first
-    run, whose check needs them) each leaf's per-example squared norms (step 3)."""
+    run, whose check needs them) each leaf's per-example squared norms (step 3).
+
+    ``low_memory``: each layer that shares no parameter has its norms computed as soon as the
+    backward pass has given all its output gradients, which it then drops
+    (:func:`_when_complete`); the first run's row check compares row summaries
+    (``torch_checks.RowSummary``) for them. ``retain``: keep the graph for the second backward
+    pass of :func:`_second_pass` (``Captured.second``)."""
     model = loss.model
     refuse_batch_mixing_layers(model, spec.func_name)
     batch_size = call.batch_size
@@ -366,54 +412,187 @@ def capture(
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
         # The first run of a layout differentiates every parameter, to check the norms against
         # the batch gradient; later ones only what reaches each layer's output, so the weight
-        # gradients (a third of a training step's work) are never computed.
+        # gradients (a third of a training step's work) are never computed. (The low-memory
+        # mode's first run leaves that to its second pass: the graph is freed along it.)
         light = _light_targets(modules, records, params, canonical) + unit_light
-        wanted = light if checked else diff
+        deferred = low_memory and retain and not checked
+        wanted = light if checked or deferred else diff
+        sharing = {owner for owners in tied.values() for owner, _ in owners}
+        early: dict[str, dict[str, torch.Tensor]] = {}  # low memory: norms computed in hooks
+        summaries: dict[int, torch_checks.RowSummary] = {}
+        if low_memory:
+            unshared = {n: m for n, m in modules.items() if n not in sharing}
+            _when_complete(unshared, records, _norms_in_hook(early, summaries))
         batch_grads = torch.autograd.grad(
-            losses.sum(), wanted, allow_unused=True, retain_graph=not checked
+            losses.sum(), wanted, allow_unused=True, retain_graph=retain or not checked
         )
+        del wanted
         # an overflowed pass (a skipped mixed-precision step) is checked on a later one
         captured = {**records, **unit_records, **bias_records}
-        checking = not checked and torch_checks.records_finite(captured)
-        if checking:
-            _check_layout(spec, call, diff, losses, light, captured, rng, batch_size)
-        del light, wanted, captured
+        checking = not checked and torch_checks.records_finite(captured, summaries)
+        if checking and not retain:  # before any rule reads the records: a wrong layout
+            _check_layout(  # can crash one
+                spec, call, diff, losses, light, captured, rng, batch_size, summaries, retain
+            )
         for layer_records in records.values():
             for record in layer_records:
                 record.output = None  # its gradient is recorded: free the output itself
     position = {id(leaf): k for k, leaf in enumerate(diff)}
-    unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
-    for table, weight in tables.items():
-        unit_grads[weight] = torch_position_bias.per_example(
-            model.get_submodule(table), bias_records[table], batch_size
-        )
-    found = Captured(diff, params, position, modules, records, unit_grads, tied, canonical, None)
-    if not (norms or not checked):
-        return found
-    squared: list[Any] = [None] * len(diff)
-    sharing = {owner for owners in tied.values() for owner, _ in owners}
-    unshared = {name: module for name, module in modules.items() if name not in sharing}
-    for name, values in _per_layer(unshared, records, params, _squared_norms_of, canonical):
-        squared[position[id(params[name])]] = values
-    for name, values in _tied_squared_norms(modules, records, params, tied, canonical).items():
-        squared[position[id(params[name])]] = values
-    for name, grads in unit_grads.items():
-        squared[position[id(params[name])]] = (grads**2).reshape(batch_size, -1).sum(1)
-    if checking:
-        by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
-        for unit in units:
-            owned = {
-                full: unit_grads[full] for full in assigned[unit].values() if full in unit_grads
-            }
-            torch_generic.check_sums(unit, owned, by_name)
+    found = Captured(diff, params, position, modules, records, {}, tied, canonical, None)
+
+    def reduce() -> None:
+        """Per-example gradients of the units and tables; with ``norms``, every norm."""
+        found.unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
         for table, weight in tables.items():
-            torch_generic.check_sums(table, {weight: unit_grads[weight]}, by_name)
-        _check_consistency(params, position, squared, batch_grads, batch_size)
+            found.unit_grads[weight] = torch_position_bias.per_example(
+                model.get_submodule(table), bias_records[table], batch_size
+            )
+        if not (norms or not checked):
+            return
+        squared: list[Any] = [None] * len(diff)
+        rest = {n: m for n, m in modules.items() if n not in sharing and n not in early}
+        for name, values in _per_layer(rest, records, params, _squared_norms_of, canonical):
+            squared[position[id(params[name])]] = values
+        for module_name, values in early.items():
+            layer_calls(module_name, records[module_name])  # raises for an unread output grad
+            for name, value in _named(module_name, values, params, canonical):
+                squared[position[id(params[name])]] = value
+        for name, values in _tied_squared_norms(modules, records, params, tied, canonical).items():
+            squared[position[id(params[name])]] = values
+        for name, grads in found.unit_grads.items():
+            squared[position[id(params[name])]] = (grads**2).reshape(batch_size, -1).sum(1)
+        _fill_zeros(params, position, squared, batch_size)
+        found.squared = squared
+
+    if not retain:
+        reduce()
+    else:
+        # The low-memory mode reads the records first, keeps only their summaries, and then
+        # (a first run) checks the rows: an error of a rule is raised after the check, which
+        # explains a wrong layout. The values are used only once the check has passed.
+        try:
+            reduce()
+            failure = None
+        except Exception as err:  # noqa: BLE001
+            failure = err
+        for slot in (r for rs in (*records.values(), *unit_records.values()) for r in rs):
+            if slot.output_grad is not None:  # held to the end of the pass: summarise, drop
+                summaries[id(slot)] = torch_checks.summarize_rows(slot.output_grad)
+                slot.output_grad = None
+        for rs in (*unit_records.values(), *bias_records.values()):
+            for r in rs:  # their sums come from their per-example gradients: drop the next
+                r.output_grad, r.watch = None, _drop
+        if checking:
+            with torch.enable_grad():
+                _check_layout(
+                    spec, call, diff, losses, light, captured, rng, batch_size, summaries, True
+                )
+        if failure is not None:
+            raise failure
+        pending = (key, {u: assigned[u] for u in units}, tables) if checking else None
+        found.second = SecondPass(losses, light, summaries, pending)
+    if checking and not deferred:
+        assert found.squared is not None
+        by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
+        _check_unit_sums(units, assigned, tables, found.unit_grads, by_name)
+        _check_consistency(params, position, found.squared, batch_grads, batch_size)
         loss.ghost_checked.add(key)
-    _fill_zeros(params, position, squared, batch_size)
-    del batch_grads  # P numbers no longer needed: keep the peak at one gradient's worth
-    found.squared = squared
     return found
+
+
+def _check_unit_sums(
+    units: Any,
+    assigned: dict[str, dict[str, str]],
+    tables: dict[str, str],
+    unit_grads: dict[str, torch.Tensor],
+    by_name: dict[str, Any],
+) -> None:
+    """A first run: the formed per-example gradients (generic units, position-bias tables)
+    add up to the batch gradient."""
+    for unit in units:
+        owned = {full: unit_grads[full] for full in assigned[unit].values() if full in unit_grads}
+        torch_generic.check_sums(unit, owned, by_name)
+    for table, weight in tables.items():
+        torch_generic.check_sums(table, {weight: unit_grads[weight]}, by_name)
+
+
+def _drop(grad: torch.Tensor) -> None:
+    """A gradient slot's watch that drops what it is given."""
+
+
+def _named(
+    module_name: str,
+    values: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    canonical: dict[str, str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's ``{parameter: value}`` named as in ``params`` (those it holds)."""
+    for param_name, value in values.items():
+        name = canonical.get(_full_name(module_name, param_name))
+        if name in params:
+            yield name, value
+
+
+CompleteFn = Callable[[str, nn.Module, list[LayerRecord]], bool]
+
+
+def _when_complete(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    complete: CompleteFn,
+    reached: Callable[[LayerRecord], bool] = lambda r: r.output is not None,
+) -> None:
+    """Arm the low-memory mode for the backward pass that follows: when every recorded call of
+    a layer that the pass reaches (``reached``: an output that requires grad; in a second
+    pass, a call the first reached) has its output gradient, ``complete(name, layer,
+    records)`` runs there and then
+    (in the tensor hook) and, where it returns True, the records drop their output gradients,
+    so that at most a few layers' output gradients are alive at once instead of every layer's.
+
+    A layer whose calls do not all receive a gradient (a call off the loss's path), whose
+    record list grows during the pass (reentrant checkpointing reruns the forward pass inside
+    the backward pass), or for which ``complete`` fails, keeps its gradients; the caller
+    handles it after the pass, as in the one-pass mode (where a failure is raised)."""
+
+    def arm(module_name: str, module: nn.Module, count: int, expected: list[LayerRecord]) -> None:
+        def receive(record: LayerRecord, grad: torch.Tensor) -> None:
+            record.output_grad = grad
+            layer_records = records[module_name]
+            if len(layer_records) != count or any(r.output_grad is None for r in expected):
+                return
+            try:
+                with torch.no_grad():
+                    done = complete(module_name, module, layer_records)
+            except Exception:  # noqa: BLE001  (computed again after the pass, which raises it)
+                return
+            if done:
+                for r in layer_records:
+                    r.output_grad, r.watch = None, None
+
+        for record in expected:
+            record.watch = functools.partial(receive, record)
+
+    for module_name, module in modules.items():
+        expected = [r for r in records[module_name] if reached(r)]
+        if expected:
+            arm(module_name, module, len(records[module_name]), expected)
+
+
+def _norms_in_hook(
+    early: dict[str, dict[str, torch.Tensor]], summaries: dict[int, torch_checks.RowSummary]
+) -> CompleteFn:
+    """The first pass's ``complete``: the layer's squared norms (into ``early``) and its
+    records' row summaries (into ``summaries``)."""
+
+    def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
+        calls = layer_calls(module_name, layer_records)
+        early[module_name] = rule_for(module).squared_norms(module, calls)
+        for r in layer_records:
+            if r.output_grad is not None:
+                summaries[id(r)] = torch_checks.summarize_rows(r.output_grad)
+        return True
+
+    return complete
 
 
 def ghost(
@@ -422,9 +601,12 @@ def ghost(
     loss: ModuleLoss,
     layers: dict[str, str],
     weights_from: WeightsFn | None,
+    low_memory: bool = False,
 ) -> Reduction:
-    """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy."""
-    found = capture(spec, call, loss, layers)
+    """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy;
+    ``low_memory``: the ``"ghost-lowmem"`` strategy (:func:`_second_pass`)."""
+    retain = low_memory and weights_from is not None
+    found = capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)
     squared, params, position = found.squared, found.params, found.position
     assert squared is not None
     if weights_from is None:
@@ -434,8 +616,11 @@ def ghost(
     # makes its example's squared norm non-finite, so when every norm is finite (one host sync)
     # no record needs cleaning before the weighted sums (see weighted_calls).
     finite = bool(torch.isfinite(sum(x.detach().float() for x in squared)).all())
+    groups = weight_groups(weights_from(squared), len(found.diff))
+    if low_memory:
+        return Reduction(squared, _second_pass(loss, found, groups, finite))
     sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
-    for weights, leaves in weight_groups(weights_from(squared), len(found.diff)):
+    for weights, leaves in groups:
         group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
         owners = {
             m: module
@@ -453,13 +638,111 @@ def ghost(
             if name in group:  # a tied parameter's weighted sum: the sum of its uses'
                 k = position[id(params[name])]
                 sums[k] = sums[k] + value if name in found.tied else value
-        for name in group & set(found.unit_grads):
+    _add_formed_sums(found, groups, sums)
+    return Reduction(squared, sums)
+
+
+def _add_formed_sums(found: Captured, groups: list[Any], sums: list[Any]) -> None:
+    """The weighted sums of the formed per-example gradients (generic units, position-bias
+    tables), examples of weight 0 zeroed first."""
+    params, position = found.params, found.position
+    for weights, leaves in groups:
+        for name in found.unit_grads:
+            if position[id(params[name])] not in leaves:
+                continue
             grads = _zero_rows(found.unit_grads[name], weights != 0)
             with in_reduction_precision(grads.device):  # not in autocast's bfloat16
                 sums[position[id(params[name])]] = torch.tensordot(
                     weights.detach().to(grads.dtype), grads, dims=1
                 )
-    return Reduction(squared, sums)
+
+
+def _second_pass(
+    loss: ModuleLoss, found: Captured, groups: list[Any], finite: bool
+) -> list[torch.Tensor]:
+    """The low-memory mode's weighted sum: the first pass's backward pass again, through its
+    retained graph, and, in each layer's tensor hook, the layer's weighted sum from its inputs
+    and these output gradients (``_weighted_sum_of``, as the one-pass mode computes it), after
+    which they are dropped.
+
+    The second pass gives the same output gradients as the first (the same graph, the same
+    kernels), so each example's contribution is built from the gradient its norm was computed
+    from, and the clip bound holds exactly, under ``torch.autocast`` too (where a backward pass
+    of clip-weighted losses would round each example's gradient differently). This is checked:
+    each record's row summaries must match the first pass's (within float32 rounding, for
+    non-deterministic kernels), else :class:`GhostUnsupported`. On a first run the pass also
+    gives the batch gradient of every parameter, for the checks the one-pass mode makes there.
+    """
+    second = found.second
+    assert second is not None
+    params, position, canonical = found.params, found.position, found.canonical
+    sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
+    mismatch: list[str] = []
+    seen: set[int] = set()
+
+    def add(module_name: str, values: Iterator[tuple[str, torch.Tensor]], group: set) -> None:
+        for name, value in values:
+            if name in group:
+                k = position[id(params[name])]
+                sums[k] = sums[k] + value if name in found.tied else value
+
+    def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
+        for r in layer_records:
+            if r.output_grad is None:
+                continue
+            seen.add(id(r))
+            first = second.summaries.get(id(r))
+            if first is None or not torch_checks.same_rows(first, r.output_grad):
+                mismatch.append(module_name)
+                return True  # nothing is summed from it: the pass fails below
+        calls = layer_calls(module_name, layer_records)
+        for weights, leaves in groups:
+            group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
+            if _owns_any(module_name, module, group, canonical):
+                values = _weighted_sum_of(weights.detach(), clean=not finite)(module, calls)
+                add(module_name, _named(module_name, values, params, canonical), group)
+        for r in layer_records:  # its sums are done: the inputs are autograd's alone now
+            r.inputs, r.input_versions = (), ()
+        return True
+
+    for slot in (r for rs in found.records.values() for r in rs):
+        slot.watch = None
+    _when_complete(found.modules, found.records, complete, lambda r: id(r) in second.summaries)
+    targets = found.diff if second.pending is not None else second.light
+    with torch.enable_grad():
+        batch_grads = torch.autograd.grad(second.losses.sum(), targets, allow_unused=True)
+    found.second = None  # the graph is freed
+    for module_name, module in found.modules.items():  # layers not completed in a hook
+        layer_records = found.records[module_name]
+        if any(r.output_grad is not None for r in layer_records):
+            with torch.no_grad():
+                complete(module_name, module, layer_records)
+    missing = [
+        name
+        for name, rs in found.records.items()
+        if any(id(r) in second.summaries and id(r) not in seen for r in rs)
+    ]
+    if missing:  # a forward pass rerun inside the backward pass, with no hooks of pergrad's
+        raise GhostUnsupported(
+            f"the second backward pass did not reach layer {missing[0]!r}'s recorded output "
+            f"(a forward pass rerun inside the backward pass): use strategy='ghost'"
+        )
+    if mismatch:
+        raise GhostUnsupported(
+            f"the second backward pass gave layer {mismatch[0]!r} other output gradients than "
+            f"the first (non-deterministic kernels): the low-memory mode cannot build the "
+            f"clipped sum from the gradients its norms came from. Call "
+            f"torch.use_deterministic_algorithms(True), or use strategy='ghost'"
+        )
+    _add_formed_sums(found, groups, sums)
+    if second.pending is not None:
+        key, units, tables = second.pending
+        by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
+        _check_unit_sums(units, units, tables, found.unit_grads, by_name)
+        assert found.squared is not None
+        _check_consistency(params, position, found.squared, batch_grads, len(found.squared[0]))
+        loss.ghost_checked.add(key)
+    return sums
 
 
 def layerwise(
@@ -540,17 +823,23 @@ def _check_layout(
     records: dict[str, list[Any]],
     rng: Any,
     batch_size: int,
+    summaries: dict[int, torch_checks.RowSummary],
+    retain: bool,
 ) -> None:
-    """The first run of a layout: every captured output gradient is row-local, and examples
-    run alone get their batched loss (``torch_checks.py``)."""
+    """The first run of a layout: every captured output gradient (or, for those dropped
+    during the pass, its summary) is row-local, and examples run alone get their batched loss
+    (``torch_checks.py``). ``retain``: keep the graph for a later pass."""
     if batch_size < 2:  # one example: every row is its own
         return
 
     def weighted_backward(weights: torch.Tensor) -> None:
-        torch.autograd.grad((losses * weights).sum(), light, allow_unused=True)
+        torch.autograd.grad((losses * weights).sum(), light, allow_unused=True, retain_graph=retain)
 
     torch_checks.check_rows(
-        records, weighted_backward, torch_checks.row_weights(batch_size, losses)
+        records,
+        weighted_backward,
+        torch_checks.row_weights(batch_size, losses),
+        summaries,
     )
     if call.backend.rng_state_changed(rng):
         return  # the model draws random numbers (dropout): a run alone draws other ones
@@ -832,7 +1121,7 @@ def _check_consistency(
     params: dict[str, torch.Tensor],
     position: dict[int, int],
     squared: list[Any],
-    batch_grads: tuple[Any, ...],
+    batch_grads: Any,
     batch_size: int,
 ) -> None:
     """Refuse norms the batch gradient contradicts.
@@ -840,7 +1129,6 @@ def _check_consistency(
     For any per-example gradients, ``|sum_i g_i|^2 <= B sum_i |g_i|^2``. If the batch gradient
     breaks it, some use of the parameter escaped the layer hooks.
     """
-    _fill_zeros(params, position, squared, batch_size)
     checked = [(k, g) for k, g in enumerate(batch_grads) if g is not None]
     if not checked:
         return

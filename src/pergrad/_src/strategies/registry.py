@@ -235,6 +235,41 @@ def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
         raise Unsupported(str(err)) from err
 
 
+def _assess_ghost_lowmem(
+    request: ReduceRequest, forced: bool, _: dict[str, Assessment]
+) -> Assessment:
+    name = "ghost-lowmem"
+    if request.call.backend.name == "jax" or not _is_module_loss(request.fn):
+        why = (
+            "it is for PyTorch models (under jax.jit, XLA already schedules the ghost "
+            "strategy's memory: use 'ghost')"
+            if request.call.backend.name == "jax"
+            else f"it needs a PyTorch pergrad.module_loss; fn is a {type(request.fn).__name__}"
+        )
+        return Assessment(name, False, why, StrategyChoice(name, why))
+    from pergrad._src.strategies import ghost_torch
+
+    return ghost_torch.assess(request, forced, name)
+
+
+def _run_ghost_lowmem(request: ReduceRequest, verdict: Assessment) -> Reduction:
+    choice = verdict.choice
+    assert choice is not None
+    from pergrad._src.strategies import ghost_torch
+
+    try:
+        return ghost_torch.ghost(
+            request.spec,
+            request.call,
+            request.fn,
+            choice.layers,
+            request.weights_from,
+            low_memory=True,
+        )
+    except GhostUnsupported as err:
+        raise Unsupported(str(err)) from err
+
+
 def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> list[Any]:
     """Plug-in reduction ``reduction`` of each differentiated leaf over one captured pass
     (:class:`LeafReduction` per leaf, in the core's flat order): the capture engine of the
@@ -320,6 +355,16 @@ STRATEGIES: tuple[Strategy, ...] = (
         "Use strategy='chunked', or 'auto', which falls back to it by itself.",
         "ghost norms.",
         "the ghost strategy cannot handle this call ({why})",
+    ),
+    Strategy(
+        "ghost-lowmem",
+        "reduce",
+        _assess_ghost_lowmem,
+        _run_ghost_lowmem,
+        "Use strategy='ghost' (one backward pass, more memory), or 'chunked'.",
+        "ghost norms computed during the backward pass, records released, then a second "
+        "backward pass for the clipped sum.",
+        "the low-memory ghost strategy cannot handle this call ({why})",
     ),
     Strategy(
         "chunked",

@@ -31,8 +31,8 @@ from pergrad._src.torch.module_loss import module_loss
 @dataclass(frozen=True)
 class DPStep:
     """What one private step did: the share of examples whose gradient was clipped, the batch
-    size, and how the clipped sum was computed (``"ghost"``, ``"chunked"`` or
-    ``"materialize"``: the strategy that ran, which :func:`pergrad.norms.choose_strategy`
+    size, and how the clipped sum was computed (``"ghost"``, ``"ghost-lowmem"``, ``"chunked"``
+    or ``"materialize"``: the strategy that ran, which :func:`pergrad.norms.choose_strategy`
     plans; where a planned ghost run fails its checks, the chunked one that stood in for it,
     with a :class:`pergrad.FallbackWarning`). With ``distributed``, the
     clip fraction and batch size are over all processes, the strategy this process's.
@@ -91,9 +91,13 @@ class DPOptimizer:
     norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory;
     otherwise per-example gradients ``chunk_size`` examples at a time, which, under ``"auto"``,
     the first step that takes them says once with a :class:`pergrad.FallbackWarning` naming the
-    layers and why. Gradient accumulation: :meth:`accumulate` each micro-batch, then
-    :meth:`step` (noise once per logical step). Distributed: one all-reduce of ``P + 2`` numbers per step, and at
-    construction two all-gathers and one pass over the parameters' bytes.
+    layers and why. Short of memory: ``strategy="ghost-lowmem"`` holds no layer's records past
+    its hook (each layer's norms computed in the backward pass, then a second backward pass for
+    the clipped sum), for one more backward pass
+    (``benchmarks/results/cpu/dp_transformers.md``). Gradient accumulation: :meth:`accumulate`
+    each micro-batch, then :meth:`step` (noise once per logical step). Distributed: one
+    all-reduce of ``P + 2`` numbers per step, and at construction two all-gathers and one pass
+    over the parameters' bytes.
 
     **Mixed precision**: call ``step`` inside ``torch.autocast`` (the model's forward pass
     runs in bfloat16 / float16, the parameters stay float32); the norms, clip factors and
