@@ -764,7 +764,9 @@ def test_a_loss_fn_that_vmap_cannot_batch_is_looped_over_the_rows():
 
 
 def test_ghost_runs_the_model_once_on_the_whole_batch():
-    """Once per call; the first call of a layout also runs a few examples alone (its check)."""
+    """Once per call; the first call of a layout runs the batch once more and a few examples
+    alone (its checks: the second run's backward pass checks the rows, so the first need not
+    retain its graph)."""
     from pergrad._src.capture.torch_checks import LOSS_CHECKS
 
     loss, args = make(GHOST_ZOO["mlp"])
@@ -776,8 +778,38 @@ def test_ghost_runs_the_model_once_on_the_whole_batch():
         clipped_sum_of(loss, *args, max_norm=1.0)
     finally:
         handle.remove()
-    assert first == [(BATCH, 8)] + [(1, 8)] * min(BATCH, LOSS_CHECKS)
+    assert first == [(BATCH, 8), (BATCH, 8)] + [(1, 8)] * min(BATCH, LOSS_CHECKS)
     assert seen == [(BATCH, 8)]
+
+
+def test_the_first_call_retains_no_graph_and_leaves_no_records_behind(monkeypatch):
+    """The first call of a layout checks its rows on a second run of the batch, so no backward
+    pass keeps its graph (which held every activation through the first step: the first
+    step's peak memory was the step's largest); and nothing of either run outlives the call,
+    even with the garbage collector off (a record and its output's tensor hook referring to
+    each other would)."""
+    import gc
+
+    from pergrad._src.capture.torch_engine import LayerRecord
+
+    retained = []
+    grad = torch.autograd.grad
+
+    def recording(*args, **kwargs):
+        retained.append(bool(kwargs.get("retain_graph")))
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    loss, args = make(GHOST_ZOO["mlp"])
+    gc.collect()
+    gc.disable()
+    try:
+        clipped_sum_of(loss, *args, max_norm=1.0, strategy="ghost")
+        alive = sum(isinstance(x, LayerRecord) for x in gc.get_objects())
+    finally:
+        gc.enable()
+    assert len(retained) == 2 and not any(retained), retained  # the pass, the check's pass
+    assert alive == 0
 
 
 # --- bad input ----------------------------------------------------------------------------------

@@ -58,10 +58,14 @@ What the hooks cannot see, and how it is handled:
   size, but a size is not a layout (a time-first layer with ``T == B``, a table shared by the
   batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``:
   the arguments' shapes, batch size included) establishes it: every hooked output gradient must
-  be row-local (a second, weighted backward pass) and the first examples run alone must get
-  their batched losses (``torch_checks.py``). A layer run alone must also reproduce its batched
-  output from each example's slice of its inputs. Any failure is :class:`GhostUnsupported`, and
-  ``"auto"`` takes the chunked strategy with a warning;
+  be row-local (the backward pass of the losses weighted per example, compared row by row with
+  summaries of the plain pass's: :func:`recheck_rows` runs the batch a second time for it,
+  after the reductions, so that no backward pass retains its graph and the first step needs no
+  more memory than the others) and the first examples run alone must get their batched losses
+  (``torch_checks.py``). A rule may read the records before the check; its values are used, and
+  its errors raised, only after the check has passed. A layer run alone must also reproduce its
+  batched output from each example's slice of its inputs. Any failure is
+  :class:`GhostUnsupported`, and ``"auto"`` takes the chunked strategy with a warning;
 - a layer called with keyword arguments, or an input changed in place after the layer read it:
   found while running, reported the same way;
 - a parameter used outside its layer's ``forward`` (``F.linear(x, self.fc.weight)`` in a parent):
@@ -319,6 +323,8 @@ class Captured:
       squared: per leaf ``(B,)`` squared norms, or None when not asked for.
       second: what the low-memory mode's second backward pass needs (when a weighted sum
         follows), else None.
+      recheck: a first run's row check, for the caller to run (:func:`recheck_rows`) once it
+        no longer needs the records, else None.
     """
 
     diff: list[torch.Tensor]
@@ -331,6 +337,7 @@ class Captured:
     canonical: dict[str, str]
     squared: list[Any] | None
     second: SecondPass | None = None
+    recheck: Recheck | None = None
 
 
 @dataclass
@@ -352,24 +359,33 @@ class SecondPass:
     pending: tuple[Any, dict[str, dict[str, str]], dict[str, str]] | None = None
 
 
-def capture(
-    spec: Spec,
-    call: Call,
-    loss: ModuleLoss,
-    layers: dict[str, str],
-    norms: bool = True,
-    low_memory: bool = False,
-    retain: bool = False,
-) -> Captured:
-    """The model once over the batch with every layer of ``layers`` hooked (steps 1-2 of the
-    module docstring), the first run of a layout checked; with ``norms`` (always on a first
-    run, whose check needs them) each leaf's per-example squared norms (step 3).
+@dataclass
+class BatchedPass:
+    """The model's forward pass over the batch under the hooks (steps 1-2): the leaves it ran
+    with, the layers, units and tables hooked, their records, and the per-example losses."""
 
-    ``low_memory``: each layer that shares no parameter has its norms computed as soon as the
-    backward pass has given all its output gradients, which it then drops
-    (:func:`_when_complete`); the first run's row check compares row summaries
-    (``torch_checks.RowSummary``) for them. ``retain``: keep the graph for the second backward
-    pass of :func:`_second_pass` (``Captured.second``)."""
+    diff: list[torch.Tensor]
+    params: dict[str, torch.Tensor]
+    modules: dict[str, nn.Module]
+    units: dict[str, nn.Module]
+    assigned: dict[str, dict[str, str]]
+    tables: dict[str, str]
+    tied: dict[str, list[tuple[str, str]]]
+    canonical: dict[str, str]
+    records: dict[str, list[LayerRecord]]
+    unit_records: dict[str, list[Any]]
+    bias_records: dict[str, list[Any]]
+    losses: torch.Tensor
+    light: list[torch.Tensor]
+    rng: Any
+
+    def captured(self) -> dict[str, list[Any]]:
+        """Every record with a gradient slot: layers, units, tables."""
+        return {**self.records, **self.unit_records, **self.bias_records}
+
+
+def _forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) -> BatchedPass:
+    """The batched forward pass with every layer of ``layers`` hooked, and the losses."""
     model = loss.model
     refuse_batch_mixing_layers(model, spec.func_name)
     batch_size = call.batch_size
@@ -393,8 +409,6 @@ def capture(
         if r == POSITION_BIAS
     }
     tied = {name: owners for name, owners in uses.items() if len(owners) > 1}
-    key = torch_checks.layout_key(params, [x for leaves in call.leaves[1:] for x in leaves])
-    checked = key in loss.ghost_checked
     # Each generic unit's smallest parameter (and below, each layer's bias or output):
     # differentiating these reaches every output gradient at almost no cost of its own.
     unit_light = [
@@ -410,42 +424,96 @@ def capture(
         ):
             output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        # The first run of a layout differentiates every parameter, to check the norms against
-        # the batch gradient; later ones only what reaches each layer's output, so the weight
-        # gradients (a third of a training step's work) are never computed. (The low-memory
-        # mode's first run leaves that to its second pass: the graph is freed along it.)
-        light = _light_targets(modules, records, params, canonical) + unit_light
-        deferred = low_memory and retain and not checked
-        wanted = light if checked or deferred else diff
-        sharing = {owner for owners in tied.values() for owner, _ in owners}
-        early: dict[str, dict[str, torch.Tensor]] = {}  # low memory: norms computed in hooks
-        summaries: dict[int, torch_checks.RowSummary] = {}
-        if low_memory:
-            unshared = {n: m for n, m in modules.items() if n not in sharing}
-            _when_complete(unshared, records, _norms_in_hook(early, summaries))
+    light = _light_targets(modules, records, params, canonical) + unit_light
+    return BatchedPass(
+        diff,
+        params,
+        modules,
+        units,
+        assigned,
+        tables,
+        tied,
+        canonical,
+        records,
+        unit_records,
+        bias_records,
+        losses,
+        light,
+        rng,
+    )
+
+
+def capture(
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    norms: bool = True,
+    low_memory: bool = False,
+    retain: bool = False,
+    recheck: bool = False,
+) -> Captured:
+    """The model once over the batch with every layer of ``layers`` hooked (steps 1-2 of the
+    module docstring), the first run of a layout checked; with ``norms`` (always on a first
+    run, whose check needs them) each leaf's per-example squared norms (step 3).
+
+    ``low_memory``: each layer that shares no parameter has its norms computed as soon as the
+    backward pass has given all its output gradients, which it then drops
+    (:func:`_when_complete`); the first run's row check compares row summaries
+    (``torch_checks.RowSummary``) for them. ``retain``: keep the graph for the second backward
+    pass of :func:`_second_pass` (``Captured.second``). ``recheck``: a first run's row check
+    is left to :func:`recheck_rows`, after the caller's reductions (``Captured.recheck``), so
+    that this backward pass need not retain its graph for it."""
+    batch_size = call.batch_size
+    run = _forward(spec, call, loss, layers)
+    key = torch_checks.layout_key(run.params, [x for xs in call.leaves[1:] for x in xs])
+    checked = key in loss.ghost_checked
+    diff, params, modules, records = run.diff, run.params, run.modules, run.records
+    units, assigned, tables, tied, canonical = (
+        run.units,
+        run.assigned,
+        run.tables,
+        run.tied,
+        run.canonical,
+    )
+    # The first run of a layout differentiates every parameter, to check the norms against
+    # the batch gradient; later ones only what reaches each layer's output, so the weight
+    # gradients (a third of a training step's work) are never computed. (The low-memory
+    # mode's first run leaves that to its second pass: the graph is freed along it.)
+    deferred = low_memory and retain and not checked
+    wanted = run.light if checked or deferred else diff
+    sharing = {owner for owners in tied.values() for owner, _ in owners}
+    early: dict[str, dict[str, torch.Tensor]] = {}  # low memory: norms computed in hooks
+    summaries: dict[int, torch_checks.RowSummary] = {}
+    if low_memory:
+        unshared = {n: m for n, m in modules.items() if n not in sharing}
+        _when_complete(unshared, records, _norms_in_hook(early, summaries))
+    with torch.enable_grad():
         batch_grads = torch.autograd.grad(
-            losses.sum(), wanted, allow_unused=True, retain_graph=retain or not checked
+            run.losses.sum(),
+            wanted,
+            allow_unused=True,
+            retain_graph=retain or not (checked or recheck),
         )
-        del wanted
-        # an overflowed pass (a skipped mixed-precision step) is checked on a later one
-        captured = {**records, **unit_records, **bias_records}
-        checking = not checked and torch_checks.records_finite(captured, summaries)
-        if checking and not retain:  # before any rule reads the records: a wrong layout
-            _check_layout(  # can crash one
-                spec, call, diff, losses, light, captured, rng, batch_size, summaries, retain
-            )
-        for layer_records in records.values():
-            for record in layer_records:
-                record.output = None  # its gradient is recorded: free the output itself
+    del wanted
+    # an overflowed pass (a skipped mixed-precision step) is checked on a later one
+    checking = not checked and torch_checks.records_finite(run.captured(), summaries)
+    if checking and not (retain or recheck):  # before any rule reads the records: a wrong
+        _check_layout(spec, call, run, summaries, retain=False)  # layout can crash one
+    for layer_records in records.values():
+        for record in layer_records:
+            record.output = None  # its gradient is recorded: free the output itself
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     found = Captured(diff, params, position, modules, records, {}, tied, canonical, None)
 
     def reduce() -> None:
         """Per-example gradients of the units and tables; with ``norms``, every norm."""
-        found.unit_grads = _unit_grads(units, assigned, unit_records, params, canonical, batch_size)
+        found.unit_grads = _unit_grads(
+            units, assigned, run.unit_records, params, canonical, batch_size
+        )
         for table, weight in tables.items():
             found.unit_grads[weight] = torch_position_bias.per_example(
-                model.get_submodule(table), bias_records[table], batch_size
+                loss.model.get_submodule(table), run.bias_records[table], batch_size
             )
         if not (norms or not checked):
             return
@@ -464,40 +532,102 @@ def capture(
         _fill_zeros(params, position, squared, batch_size)
         found.squared = squared
 
-    if not retain:
+    if not (retain or (recheck and checking)):
         reduce()
     else:
-        # The low-memory mode reads the records first, keeps only their summaries, and then
-        # (a first run) checks the rows: an error of a rule is raised after the check, which
-        # explains a wrong layout. The values are used only once the check has passed.
+        # Rules read the records before the row check here (which then compares summaries):
+        # an error of a rule is raised after the check, which explains a wrong layout, and
+        # the values are used only once the check has passed.
         try:
             reduce()
             failure = None
         except Exception as err:  # noqa: BLE001
             failure = err
-        for slot in (r for rs in (*records.values(), *unit_records.values()) for r in rs):
-            if slot.output_grad is not None:  # held to the end of the pass: summarise, drop
+        summarize = checking or retain
+        for slot in (r for rs in run.captured().values() for r in rs):
+            if summarize and slot.output_grad is not None:
                 summaries[id(slot)] = torch_checks.summarize_rows(slot.output_grad)
-                slot.output_grad = None
-        for rs in (*unit_records.values(), *bias_records.values()):
-            for r in rs:  # their sums come from their per-example gradients: drop the next
-                r.output_grad, r.watch = None, _drop
-        if checking:
-            with torch.enable_grad():
-                _check_layout(
-                    spec, call, diff, losses, light, captured, rng, batch_size, summaries, True
-                )
+        if retain:  # the records' gradients are read: drop them; the units' and tables' sums
+            for slot in (r for rs in run.captured().values() for r in rs):  # come from their
+                slot.output_grad = None  # per-example gradients, so drop their next ones too
+            for rs in (*run.unit_records.values(), *run.bias_records.values()):
+                for r in rs:
+                    r.watch = _drop
+            if checking:
+                _check_layout(spec, call, run, summaries, retain=True)
+        elif failure is not None:  # recheck: the check first, then the rule's error
+            failed = Recheck(key, run.rng, _ordered(run, summaries))
+            recheck_rows(spec, call, loss, layers, failed, mark=False)
         if failure is not None:
             raise failure
-        pending = (key, {u: assigned[u] for u in units}, tables) if checking else None
-        found.second = SecondPass(losses, light, summaries, pending)
+        if retain:
+            pending = (key, {u: assigned[u] for u in units}, tables) if checking else None
+            found.second = SecondPass(run.losses, run.light, summaries, pending)
+        else:
+            found.recheck = Recheck(key, run.rng, _ordered(run, summaries))
     if checking and not deferred:
         assert found.squared is not None
         by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
         _check_unit_sums(units, assigned, tables, found.unit_grads, by_name)
         _check_consistency(params, position, found.squared, batch_grads, batch_size)
-        loss.ghost_checked.add(key)
+        if found.recheck is None:
+            loss.ghost_checked.add(key)
     return found
+
+
+@dataclass(frozen=True)
+class Recheck:
+    """A first run's row check left for after the reductions (:func:`recheck_rows`): the
+    layout key, the random-number state before the first pass, and each record's summary of
+    its output gradient (None: it got none), by name, in the order of the calls."""
+
+    key: Any
+    rng: Any
+    summaries: dict[str, list[torch_checks.RowSummary | None]]
+
+
+def _ordered(
+    run: BatchedPass, summaries: dict[int, torch_checks.RowSummary]
+) -> dict[str, list[torch_checks.RowSummary | None]]:
+    return {name: [summaries.get(id(r)) for r in rs] for name, rs in run.captured().items()}
+
+
+def recheck_rows(
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    pending: Recheck,
+    mark: bool = True,
+) -> None:
+    """A first run's row check without the first pass's graph: the batch runs forward again
+    from the first pass's random-number state (the same dropout masks), and each hooked
+    output's gradient of ``sum_b w_b loss_b`` is compared with the first pass's summary of
+    the same call; then (``mark``: the call succeeded) the layout is marked checked. Costs one forward and one light backward
+    pass, once per layout, at about the memory of a non-private step: the first step of the
+    one-pass mode then needs no more memory than the later ones."""
+    call.backend.set_rng_state(pending.rng)
+    run = _forward(spec, call, loss, layers)
+    for layer_records in run.records.values():
+        for record in layer_records:
+            record.output = None  # (it and its tensor hook would keep each other alive)
+    captured = run.captured()
+    if {name: len(rs) for name, rs in captured.items()} != {
+        name: len(rs) for name, rs in pending.summaries.items()
+    }:
+        raise GhostUnsupported(
+            "run a second time on the same batch, the model called its layers another number "
+            "of times: the ghost strategy cannot check where the batch is"
+        )
+    summaries = {
+        id(r): first
+        for name, rs in captured.items()
+        for r, first in zip(rs, pending.summaries[name])
+        if first is not None
+    }
+    _check_layout(spec, call, run, summaries, retain=False)
+    if mark:
+        loss.ghost_checked.add(pending.key)
 
 
 def _check_unit_sums(
@@ -606,7 +736,26 @@ def ghost(
     """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy;
     ``low_memory``: the ``"ghost-lowmem"`` strategy (:func:`_second_pass`)."""
     retain = low_memory and weights_from is not None
-    found = capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)
+    found = capture(
+        spec, call, loss, layers, low_memory=low_memory, retain=retain, recheck=not retain
+    )
+    try:
+        reduction = _reduce(loss, found, weights_from, low_memory)
+    except Exception:
+        if found.recheck is not None:  # a wrong layout explains the error best
+            found.records, found.unit_grads = {}, {}
+            recheck_rows(spec, call, loss, layers, found.recheck, mark=False)
+        raise
+    if found.recheck is not None:  # the first run of a layout: check it, the records freed
+        found.records, found.unit_grads = {}, {}
+        recheck_rows(spec, call, loss, layers, found.recheck)
+    return reduction
+
+
+def _reduce(
+    loss: ModuleLoss, found: Captured, weights_from: WeightsFn | None, low_memory: bool
+) -> Reduction:
+    """:func:`ghost`'s norms and weighted sums from a captured pass."""
     squared, params, position = found.squared, found.params, found.position
     assert squared is not None
     if weights_from is None:
@@ -817,26 +966,25 @@ def layerwise(
 def _check_layout(
     spec: Spec,
     call: Call,
-    diff: list[torch.Tensor],
-    losses: torch.Tensor,
-    light: list[torch.Tensor],
-    records: dict[str, list[Any]],
-    rng: Any,
-    batch_size: int,
+    run: BatchedPass,
     summaries: dict[int, torch_checks.RowSummary],
     retain: bool,
 ) -> None:
     """The first run of a layout: every captured output gradient (or, for those dropped
-    during the pass, its summary) is row-local, and examples run alone get their batched loss
+    before the check, its summary) is row-local, and examples run alone get their batched loss
     (``torch_checks.py``). ``retain``: keep the graph for a later pass."""
+    batch_size, losses, rng = call.batch_size, run.losses, run.rng
     if batch_size < 2:  # one example: every row is its own
         return
 
     def weighted_backward(weights: torch.Tensor) -> None:
-        torch.autograd.grad((losses * weights).sum(), light, allow_unused=True, retain_graph=retain)
+        with torch.enable_grad():
+            torch.autograd.grad(
+                (losses * weights).sum(), run.light, allow_unused=True, retain_graph=retain
+            )
 
     torch_checks.check_rows(
-        records,
+        run.captured(),
         weighted_backward,
         torch_checks.row_weights(batch_size, losses),
         summaries,
@@ -845,7 +993,7 @@ def _check_layout(
         return  # the model draws random numbers (dropout): a run alone draws other ones
     single = single_example_fn(spec, call, {})
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
-    detached = tuple(x.detach() for x in diff)
+    detached = tuple(x.detach() for x in run.diff)
     index = torch_checks.check_losses_alone(
         single, detached, batched, losses.detach(), torch_checks.LOSS_CHECKS
     )
