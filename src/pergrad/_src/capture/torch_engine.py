@@ -77,6 +77,12 @@ class LayerRecord(GradientSlot):
     # changed it) reaches the output gradient without any weight gradient (ghost_torch.capture).
     output: torch.Tensor | None = None
     output_version: int = -1
+    # Whether a tensor hook waits for the output's gradient.
+    hooked: bool = False
+    # The layer's own first argument, where it is the recorded input (batch on axis 0) and
+    # requires grad: differentiating it also reaches the output gradient, and its gradient is
+    # smaller than the output's for an LM head (ghost_torch._light_targets).
+    light_input: torch.Tensor | None = None
 
 
 @contextmanager
@@ -98,6 +104,7 @@ def capturing(
             else rule.record(module, args, kwargs, output)
         )
         expanded = None
+        plain = recorded is None
         if recorded is None:
             axes = (0,) if rule is None else rule.batch_axes
             recorded, expanded = _plain_call(name, module, args, output, batch_size, axes)
@@ -117,6 +124,16 @@ def capturing(
             axis = recorded.batch_axis
             recorded.output.register_hook(lambda grad: record.receive(grad.movedim(axis, 0)))
             record.output, record.output_version = recorded.output, recorded.output._version
+            record.hooked = True
+            first = inputs[0] if inputs else None
+            if (
+                plain
+                and axis == 0
+                and expanded is None
+                and isinstance(first, torch.Tensor)
+                and first.requires_grad
+            ):
+                record.light_input = first
         for other in recorded.unread:
             if isinstance(other, torch.Tensor) and other.requires_grad:
                 other.register_hook(lambda grad: setattr(record, "unread_grad", True))

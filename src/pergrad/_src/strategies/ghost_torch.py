@@ -425,6 +425,9 @@ def _forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) -
             output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
     light = _light_targets(modules, records, params, canonical) + unit_light
+    for layer_records in records.values():
+        for record in layer_records:  # the output is the graph's now (or a light target): an
+            record.output = record.light_input = None  # LM head's logits are freed early
     return BatchedPass(
         diff,
         params,
@@ -670,7 +673,7 @@ def _when_complete(
     modules: dict[str, nn.Module],
     records: dict[str, list[LayerRecord]],
     complete: CompleteFn,
-    reached: Callable[[LayerRecord], bool] = lambda r: r.output is not None,
+    reached: Callable[[LayerRecord], bool] = lambda r: r.hooked,
 ) -> None:
     """Arm the low-memory mode for the backward pass that follows: when every recorded call of
     a layer that the pass reaches (``reached``: an output that requires grad; in a second
@@ -1084,8 +1087,11 @@ def _light_targets(
     """What to differentiate so that the backward pass reaches every hooked layer's output
     and computes no weight gradient: a layer's vector parameter (a bias, a norm's scale) if
     it has one; otherwise (a bias-free linear layer, an embedding: Llama's every layer, an LM
-    head) its recorded outputs, as long as no in-place op has changed them since (their hooks
-    would not fire), else its smallest parameter."""
+    head) for each call its input, where that is the layer's own argument, unchanged, and
+    smaller than the output (an LM head's: its gradient is computed on the way anyway, and the
+    output's, B x T x vocabulary numbers, would be returned and held), else its output, as long
+    as no in-place op has changed them since (their hooks would not fire), else its smallest
+    parameter."""
     chosen: dict[int, torch.Tensor] = {}
     for module_name, module in modules.items():
         own = [
@@ -1101,8 +1107,17 @@ def _light_targets(
             r.output is None or r.output._version == r.output_version for r in records[module_name]
         )
         if smallest.dim() >= 2 and outputs and unchanged:
-            for output in outputs:
-                chosen[id(output)] = output
+            for r in records[module_name]:
+                if r.output is None:
+                    continue
+                x = r.light_input
+                small = (
+                    x is not None
+                    and x._version == r.input_versions[0]
+                    and x.numel() < r.output.numel()
+                )
+                target = x if small else r.output
+                chosen[id(target)] = target
         else:
             chosen[id(smallest)] = smallest
     return list(chosen.values())
