@@ -135,9 +135,12 @@ class Trainer:
 
         if (implementation, noise_multiplier) not in self.steps:
 
-            def step(params, grads, mask, key):
-                update = implementation(grads, mask, noise_multiplier, key, SAMPLE_RATE * self.n)
-                return jax.tree.map(lambda p, u: p - LR * u, params, update)
+            def step(params, grads, mask, key):  # the update, and the key of the next step
+                key, noise_key = jax.random.split(key)
+                update = implementation(
+                    grads, mask, noise_multiplier, noise_key, SAMPLE_RATE * self.n
+                )
+                return jax.tree.map(lambda p, u: p - LR * u, params, update), key
 
             self.steps[implementation, noise_multiplier] = jax.jit(step)
         return self.steps[implementation, noise_multiplier]
@@ -161,8 +164,7 @@ class Trainer:
                     for k, g in grads.items()
                 }
                 mask = np.concatenate([mask, np.zeros(self.canary_rows, bool)])
-            key, noise_key = jax.random.split(key)
-            params = step(params, grads, jnp.asarray(mask), noise_key)
+            params, key = step(params, grads, jnp.asarray(mask), key)
         return params
 
 

@@ -9,7 +9,7 @@ See tests/README.md.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 DEVICE_VARIABLE = "PERGRAD_TEST_DEVICE"
+OPTIMIZE_VARIABLE = "PERGRAD_TEST_XLA_OPTIMIZE"
 
 
 def torch_device_name() -> str:
@@ -79,6 +80,34 @@ def device() -> Any:
     ``model.to(device)``. Skips the test when torch is not installed."""
     torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch installed")
     return torch.device(torch_device_name())
+
+
+@pytest.fixture(scope="module")
+def fast_xla_compile() -> Iterator[None]:
+    """XLA's backend optimisations off while a module's tests run (JAX on the CPU).
+
+    A module of small JAX programs of many shapes, most of them run op by op, waits mostly for
+    XLA's compiler; ``jax_disable_most_optimizations`` (no LLVM backend optimisation) about
+    halves that, and a result changes only by rounding, as with ``FAST_COMPILE`` in
+    tests/test_layouts_jax.py. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("fast_xla_compile")``. Only in this process
+    (subprocesses compile as a user's would); not on a GPU; not with
+    ``PERGRAD_TEST_XLA_OPTIMIZE=1``.
+    """
+    try:
+        import jax
+    except ImportError:  # a module's torch tests run without JAX
+        yield
+        return
+    if os.environ.get(OPTIMIZE_VARIABLE, "").strip() or jax.default_backend() != "cpu":
+        yield
+        return
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @dataclass

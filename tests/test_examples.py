@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,14 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def fast_compile_env() -> dict[str, str]:
+    """The environment for an example whose quick run is mostly XLA compiling small JAX steps:
+    the backend's lowest optimisation level halves that (results change only by rounding), as
+    in tests/test_layouts_jax.py. Not for an example whose steps run long: they run slower."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return os.environ | {"XLA_FLAGS": f"{flags} --xla_backend_optimization_level=0".strip()}
 
 
 def run_example(name: str) -> str:
@@ -53,6 +62,7 @@ def test_dp_sgd_digits_quick_run_reports_the_target_epsilons():
         capture_output=True,
         text=True,
         timeout=300,
+        env=fast_compile_env(),
     )
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")]

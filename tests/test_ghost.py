@@ -859,10 +859,14 @@ def test_bad_input(index):
 def jax_mlp():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    keys = jax.random.split(jax.random.key(0), 4)
+    rng = np.random.default_rng(0)  # numpy's: jax.random compiles once per array shape
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.normal(0.0, scale, shape), jnp.float32)
+
     params = {
-        "hidden": {"w": jax.random.normal(keys[0], (5, 8)) * 0.6, "b": jnp.full(8, 0.1)},
-        "out": {"w": jax.random.normal(keys[1], (8, 3)) * 0.6, "b": jnp.zeros(3)},
+        "hidden": {"w": normal(5, 8, scale=0.6), "b": jnp.full(8, 0.1)},
+        "out": {"w": normal(8, 3, scale=0.6), "b": jnp.zeros(3)},
     }
 
     def loss(p, x, y):
@@ -870,18 +874,22 @@ def jax_mlp():
         logits = h @ p["out"]["w"] + p["out"]["b"]
         return -jax.nn.log_softmax(logits)[y]
 
-    x = jax.random.normal(keys[2], (10, 5))
-    y = jax.random.randint(keys[3], (10,), 0, 3)
+    x = normal(10, 5)
+    y = jnp.asarray(rng.integers(0, 3, 10), jnp.int32)
     return loss, (params, x, y)
 
 
 def jax_conv():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    keys = jax.random.split(jax.random.key(1), 4)
+    rng = np.random.default_rng(1)  # numpy's: jax.random compiles once per array shape
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.normal(0.0, scale, shape), jnp.float32)
+
     params = {
-        "kernel": jax.random.normal(keys[0], (4, 2, 3, 3)) * 0.4,  # OIHW
-        "dense": jax.random.normal(keys[1], (4 * 3 * 3, 3)) * 0.3,
+        "kernel": normal(4, 2, 3, 3, scale=0.4),  # OIHW
+        "dense": normal(4 * 3 * 3, 3, scale=0.3),
     }
 
     def loss(p, image, y):  # image (2, 7, 7): one example
@@ -891,8 +899,8 @@ def jax_conv():
         features = jax.nn.relu(out).reshape(-1)[: 4 * 3 * 3]
         return jnp.sum((features @ p["dense"] - y) ** 2)
 
-    x = jax.random.normal(keys[2], (9, 2, 7, 7))
-    y = jax.random.normal(keys[3], (9, 3))
+    x = normal(9, 2, 7, 7)
+    y = normal(9, 3)
     return loss, (params, x, y)
 
 

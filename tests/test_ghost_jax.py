@@ -30,6 +30,9 @@ from pergrad._src.core.reductions import (  # noqa: E402
 from pergrad._src.strategies import ghost_jax as jax_ghost  # noqa: E402
 from test_jax_zoo import ZOO, keys, mse_loss, normal, targets_for  # noqa: E402
 
+# Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 RTOL = 1e-5  # relative to the largest entry of the reference, float32
 
 
@@ -66,14 +69,18 @@ def bound_between_norms(norms: np.ndarray) -> float:
 
 def check_against_materialized(loss: Any, args: tuple, strategy: str = "ghost", **kw: Any):
     """Norms (global and per leaf) and a clipped sum that clips about half the examples."""
-    grads = pergrad.per_example_grads(loss, **kw)(*args)
-    norms = per_example_norms_of(loss, *args, strategy=strategy, **kw)
-    assert_close(norms, pergrad.norms.per_example_norms(grads))
-    per_leaf = per_example_norms_of(loss, *args, per_layer=True, strategy=strategy, **kw)
-    assert_trees_close(per_leaf, pergrad.norms.per_example_norms(grads, per_layer=True))
+    def first(*args):
+        grads = pergrad.per_example_grads(loss, **kw)(*args)
+        norms = per_example_norms_of(loss, *args, strategy=strategy, **kw)
+        per_leaf = per_example_norms_of(loss, *args, per_layer=True, strategy=strategy, **kw)
+        return grads, norms, per_leaf, pergrad.norms.per_example_norms(grads), pergrad.norms.per_example_norms(grads, per_layer=True)
+    grads, norms, per_leaf, en, epl = jax.jit(first)(*args)
+    assert_close(norms, en)
+    assert_trees_close(per_leaf, epl)
     bound = bound_between_norms(np.asarray(norms))
-    clipped = clipped_sum_of(loss, *args, max_norm=bound, strategy=strategy, **kw)
-    expected = pergrad.dp.clipped_sum(grads, bound)
+    def second(grads, *args):
+        return clipped_sum_of(loss, *args, max_norm=bound, strategy=strategy, **kw), pergrad.dp.clipped_sum(grads, bound)
+    clipped, expected = jax.jit(second)(grads, *args)
     assert_trees_close(clipped.sum, expected.sum)
     assert_close(clipped.norms, expected.norms)
     assert float(clipped.clip_fraction) == pytest.approx(float(expected.clip_fraction))

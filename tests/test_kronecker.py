@@ -118,16 +118,18 @@ def test_a_torch_table_tied_to_the_output_layer_is_projected_without_forming_it(
 def test_jax_dense_contractions_are_projected_from_their_records():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    keys = jax.random.split(jax.random.key(0), 5)
+    rng = np.random.default_rng(0)  # numpy's: jax.random compiles once per array shape
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
     params = {
-        "b1": jax.random.normal(keys[0], (6,)),
-        "w1": jax.random.normal(keys[1], (5, 6)),  # x @ w1: the factored route
-        "w2": jax.random.normal(
-            keys[2], (3, 6)
-        ),  # contracted on its axis 1: formed, then projected
+        "b1": normal(6),
+        "w1": normal(5, 6),  # x @ w1: the factored route
+        "w2": normal(3, 6),  # contracted on its axis 1: formed, then projected
     }
-    x = jax.random.normal(keys[3], (BATCH, LENGTH, 5))
-    y = jax.random.normal(keys[4], (BATCH, LENGTH, 3))
+    x = normal(BATCH, LENGTH, 5)
+    y = normal(BATCH, LENGTH, 3)
 
     def loss(p, xi, yi):
         h = jnp.tanh(xi @ p["w1"] + p["b1"])

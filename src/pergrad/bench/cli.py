@@ -67,7 +67,11 @@ def parse_args(
         help="torch device of the models and data: cpu, cuda or cuda:N "
         "(default: cuda if torch sees a GPU, else cpu)",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny batches, 2 rounds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny batches, 2 rounds, JAX compiled without XLA's backend optimisation",
+    )
     parser.add_argument("--out", type=Path, help=f"output folder (default {results_root}/<device>)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, help="timed rounds (default 2 quick, 10 full)")
@@ -211,7 +215,19 @@ def add_sweep_memory(
                 row |= by_size[row["batch_size"]]
 
 
+def compile_for_speed_of_compilation() -> None:
+    """XLA without its LLVM backend optimisation: JAX compiles about twice as fast, and its
+    compiled calls run slower. For ``--quick``, a smoke run whose timings mean little and which
+    compiling takes most of. Set before JAX starts its backend (this process's first JAX call),
+    or it has no effect; subprocesses inherit it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.quick:
+        compile_for_speed_of_compilation()
     rounds = args.rounds or (2 if args.quick else 10)
     warmup = 1 if args.quick else 2
     memory_on = (not args.quick) if args.memory is None else args.memory
