@@ -806,9 +806,7 @@ def test_the_first_call_retains_no_graph_and_leaves_no_records_behind(monkeypatc
     gc.disable()
     try:
         clipped_sum_of(loss, *args, max_norm=1.0, strategy="ghost")
-        alive = sum(
-            isinstance(x, LayerRecord) and id(x) not in before for x in gc.get_objects()
-        )
+        alive = sum(isinstance(x, LayerRecord) and id(x) not in before for x in gc.get_objects())
     finally:
         gc.enable()
     assert len(retained) == 2 and not any(retained), retained  # the pass, the check's pass
