@@ -483,7 +483,7 @@ def capture(
     # the batch gradient; later ones only what reaches each layer's output, so the weight
     # gradients (a third of a training step's work) are never computed. (The low-memory
     # mode's first run leaves that to its second pass: the graph is freed along it.)
-    deferred = low_memory and retain and not checked
+    deferred = retain and not checked  # (retain: the low-memory mode's sums follow)
     wanted = run.light if checked or deferred else diff
     sharing = {owner for owners in tied.values() for owner, _ in owners}
     early: dict[str, dict[str, torch.Tensor]] = {}  # low memory: norms computed in hooks
@@ -503,9 +503,6 @@ def capture(
     checking = not checked and torch_checks.records_finite(run.captured(), summaries)
     if checking and not (retain or recheck):  # before any rule reads the records: a wrong
         _check_layout(spec, call, run, summaries, retain=False)  # layout can crash one
-    for layer_records in records.values():
-        for record in layer_records:
-            record.output = None  # its gradient is recorded: free the output itself
     position = {id(leaf): k for k, leaf in enumerate(diff)}
     found = Captured(diff, params, position, modules, records, {}, tied, canonical, None)
 
@@ -611,9 +608,6 @@ def recheck_rows(
     one-pass mode then needs no more memory than the later ones."""
     call.backend.set_rng_state(pending.rng)
     run = _forward(spec, call, loss, layers)
-    for layer_records in run.records.values():
-        for record in layer_records:
-            record.output = None  # (it and its tensor hook would keep each other alive)
     captured = run.captured()
     if {name: len(rs) for name, rs in captured.items()} != {
         name: len(rs) for name, rs in pending.summaries.items()
