@@ -87,12 +87,12 @@ def fast_xla_compile() -> Iterator[None]:
     """XLA's backend optimisations off while a module's tests run (JAX on the CPU).
 
     A module of small JAX programs of many shapes, most of them run op by op, waits mostly for
-    XLA's compiler; ``jax_disable_most_optimizations`` (no LLVM backend optimisation) about
-    halves that, and a result changes only by rounding, as with ``FAST_COMPILE`` in
-    tests/test_layouts_jax.py. A module opts in with
-    ``pytestmark = pytest.mark.usefixtures("fast_xla_compile")``. Only in this process
-    (subprocesses compile as a user's would); not on a GPU; not with
-    ``PERGRAD_TEST_XLA_OPTIMIZE=1``.
+    XLA's compiler; ``jax_disable_most_optimizations`` (no LLVM backend optimisation) cuts
+    that by a fifth (op by op) to a half (whole programs), and a result changes only by
+    rounding, as with ``FAST_COMPILE`` in tests/test_layouts_jax.py. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("fast_xla_compile")``; not a numerics-sensitive one
+    (float32 cancellation, clipping at a bound), where rounding decides. In this process only
+    (subprocesses do not inherit it); not on a GPU; not with ``PERGRAD_TEST_XLA_OPTIMIZE=1``.
     """
     try:
         import jax

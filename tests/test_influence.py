@@ -24,7 +24,11 @@ LOO_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "influence_
 RNG = np.random.default_rng(3)
 
 # A test that expects a caveat says so with pytest.warns; any other one fails the test.
-pytestmark = pytest.mark.filterwarnings("error::pergrad.influence.InfluenceWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("error::pergrad.influence.InfluenceWarning"),
+    # Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+    pytest.mark.usefixtures("fast_xla_compile"),
+]
 
 
 def _load_loo_module():

@@ -13,6 +13,9 @@ import pytest
 from pergrad import influence
 from pergrad._src.influence import ihvp
 
+# Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 RNG = np.random.default_rng(5)
 N, DIM = 20, 6
 X = RNG.normal(size=(N, DIM))

@@ -10,6 +10,9 @@ import pytest
 
 from pergrad import influence
 
+# Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 N_TRAIN, N_TEST, DIM = 12, 5, 4
 L2 = 0.3
 RNG = np.random.default_rng(21)

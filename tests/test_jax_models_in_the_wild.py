@@ -15,6 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 import pergrad  # noqa: E402
 from _reference import jax_loop_grads  # noqa: E402
 
+# Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 B, D, C = 6, 5, 3
 
 

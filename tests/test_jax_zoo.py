@@ -20,6 +20,9 @@ from jax import lax  # noqa: E402
 import pergrad  # noqa: E402
 from _reference import jax_loop_grads  # noqa: E402
 
+# Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
+pytestmark = pytest.mark.usefixtures("fast_xla_compile")
+
 RTOL, ATOL = 1e-4, 1e-5
 B = 3  # batch size of the zoo
 
