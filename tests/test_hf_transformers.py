@@ -525,3 +525,25 @@ def test_rms_norm_rule_checks_the_formula(offset, centred):
     else:
         assert not fallbacks, fallbacks
     np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["checkpointing", "reentrant"])
+def test_zero_noise_dp_step_under_activation_checkpointing(reentrant):
+    """``gradient_checkpointing_enable()``: non-reentrant checkpointing keeps the ghost path;
+    reentrant (torch's autograd.grad refuses it) takes the chunked strategy over layer hooks,
+    with a warning that says how to keep the ghost path. Both are the loop's clipped sum."""
+    model, loss_fn, inputs, targets = llama(tied=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()  # Hugging Face checkpoints in training mode only (no dropout in this config)
+    per_example = torch_module_loop_grads(model, loss_fn, inputs, targets)
+    norms = torch_flat_norms(per_example)
+    max_norm = float(np.median(norms))
+    want = torch_clipped_sum(per_example, max_norm)
+    updates, stats, fallbacks = dp_step(model, loss_fn, inputs, targets, max_norm)
+    if reentrant:
+        assert stats.strategy == "chunked"
+        assert any("'use_reentrant': False" in f for f in fallbacks), fallbacks
+        assert any("layer hooks" in f for f in fallbacks), fallbacks
+    else:
+        assert stats.strategy == "ghost" and not fallbacks, fallbacks
+    assert_updates_close(updates, want, rtol=RTOL)

@@ -212,6 +212,61 @@ def test_checkpointing_every_strategy(strategy, use_reentrant):
     assert_matches(grads, torch_module_loop_grads(model, F.cross_entropy, [X], [Y]))
 
 
+def clipped_loop_reference(want: dict, max_norm: float) -> tuple[torch.Tensor, dict]:
+    """Norms and the clipped sum of the loop's per-example gradients."""
+    norms = torch.linalg.vector_norm(
+        torch.cat([g.reshape(g.shape[0], -1) for g in want.values()], 1), dim=1
+    )
+    factors = torch.clamp(max_norm / norms, max=1.0)
+    return norms, {n: torch.einsum("b,b...->...", factors, g) for n, g in want.items()}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3], ids=["one chunk", "chunks of 3"])
+@pytest.mark.parametrize("strategy", ["auto", "chunked"])
+def test_reentrant_checkpointing_norms_and_clipped_sums(strategy, chunk_size):
+    # torch's vmap and autograd.grad both refuse reentrant checkpointing: the chunked strategy
+    # takes the layer hooks' per-example gradients chunk by chunk (a second pass for the sum)
+    torch.manual_seed(9)
+    model = Checkpointed(use_reentrant=True)
+    X, Y = data(9)
+    X = torch.cat([X, 3 * X[:3]])  # 7 examples: chunks of 3, 3 and 1; some clipped, some not
+    Y = torch.cat([Y, Y[:3]])
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    before = state_of(model)
+    norms_want, sum_want = clipped_loop_reference(
+        torch_module_loop_grads(model, F.cross_entropy, [X], [Y]), 3.0
+    )
+    assert 0 < int((norms_want > 3.0).sum()) < len(X)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norms = pergrad.norms.per_example_norms_of(
+            loss, loss.params(), X, Y, strategy=strategy, chunk_size=chunk_size
+        )
+        clipped = pergrad.dp.clipped_sum_of(
+            loss, loss.params(), X, Y, max_norm=3.0, strategy=strategy, chunk_size=chunk_size
+        )
+    said = " ".join(str(w.message) for w in caught if w.category is pergrad.FallbackWarning)
+    assert "layer hooks" in said and "one example at a time" not in said
+    if strategy == "auto":  # the ghost strategy said why it could not, and what to do
+        assert "use_reentrant=True" in said and "use_reentrant': False" in said
+    torch.testing.assert_close(norms, norms_want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(clipped.norms, norms_want, rtol=1e-5, atol=1e-6)
+    assert_matches(clipped.sum, sum_want, rtol=1e-5)
+    assert_same_state(before, state_of(model))
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "ghost-lowmem"])
+def test_ghost_refuses_reentrant_checkpointing_with_the_fix(strategy):
+    torch.manual_seed(10)
+    model = Checkpointed(use_reentrant=True)
+    X, Y = data(10)
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    before = state_of(model)
+    with pytest.raises(ValueError, match=r"use_reentrant=True.*'use_reentrant': False"):
+        pergrad.dp.clipped_sum_of(loss, loss.params(), X, Y, max_norm=1.0, strategy=strategy)
+    assert_same_state(before, state_of(model))
+
+
 def test_tied_weights_get_the_sum_of_both_uses():
     torch.manual_seed(2)
     model = TiedLM()

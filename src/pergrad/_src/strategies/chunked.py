@@ -10,8 +10,11 @@ Clipped sum: with the clip factors ``c_i`` known, ``sum_i c_i g_i`` is the gradi
 fast per-example gradient clipping"): ONE batch gradient of the weighted loss, whose batched
 forward pass is the framework's ``vmap`` of the loss of one example.
 
-Where the framework cannot vectorise the loss (torch's ``nn.GRU`` with torch.func), the
-examples are taken one at a time with the core's loop, again reduced at once.
+Where the framework cannot vectorise the loss, the order of :func:`pergrad.per_example_grads`
+follows: for a PyTorch ``pergrad.module_loss`` whose layers all have rules (reentrant activation
+checkpointing, an ``autograd.Function`` without a vmap rule), the layer hooks' per-example
+gradients chunk by chunk; otherwise (torch's ``nn.GRU`` with torch.func) the examples one at a
+time with the core's loop, again reduced at once.
 
 An example of weight 0 (padding, or a gradient that is not finite) must add exactly nothing,
 but in the weighted loss its ``0 * loss_i`` still sends ``0 * nan`` into the gradient when its
@@ -59,12 +62,22 @@ def chunked(spec: Spec, call: Call, chunk_size: int, weights_from: WeightsFn | N
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     # inside shard_map: per-device parameters, so each sum stays on its device (see the backend)
     diff = bk.match_varying(tuple(call.leaves[i][j] for i, j in call.diff_positions), batched)
-    squared = (
-        None
-        if spec.resolved == "loop"
+    squared, cause = (
+        (None, "an earlier call of this function found it could not")
+        if spec.resolved in ("hooks", "loop")
         else _vectorised_squared_norms(spec, bk, single, diff, batched, chunk_size)
     )
-    if squared is None:  # the framework could not vectorise fn
+    if squared is None:  # the framework could not vectorise fn: layer hooks, else a loop
+        if spec.resolved != "loop":
+            hooked = _hooked(spec, call, single, diff, batched, chunk_size, weights_from, cause)
+            if isinstance(hooked, Reduction):
+                return hooked
+            cause = hooked
+        # If one example fails on its own, the problem is in fn and its own error is clearest.
+        loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
+        if spec.resolved != "loop":
+            _warn_loop(spec, bk, cause, "fn")
+            spec.resolved = "loop"
         return _looped(spec, bk, single, diff, batched, call.batch_size, weights_from)
     if weights_from is None:
         return Reduction(squared, None)
@@ -95,7 +108,8 @@ def _vectorised_squared_norms(
     diff: tuple[Any, ...],
     batched: tuple[Any, ...],
     chunk_size: int,
-) -> list[Any] | None:
+) -> tuple[list[Any] | None, str]:
+    """The squared norms by vmap, or None and why the framework could not vectorise fn."""
     value_and_grad = bk.value_and_grad(single, False)
 
     def squared_norms_of_one(diff_values: Any, example: Any) -> tuple[Any, ...]:
@@ -104,14 +118,77 @@ def _vectorised_squared_norms(
 
     vectorised = bk.vmap(squared_norms_of_one, (None, 0), chunk_size, spec.randomness)
     try:
-        return list(vectorised(diff, batched))
+        return list(vectorised(diff, batched)), ""
     except Exception as err:
-        cause = vmap_failure(bk, err)
-        # If one example fails on its own, the problem is in fn and its own error is clearest.
-        loop(spec, bk, single, diff, tuple(v[:1] for v in batched), 1, stacked=False)
-        _warn_loop(spec, bk, cause, "fn")
-        spec.resolved = "loop"
-        return None
+        return None, vmap_failure(bk, err)
+
+
+def _hooked(
+    spec: Spec,
+    call: Call,
+    single: Callable[..., Any],
+    diff: tuple[Any, ...],
+    batched: tuple[Any, ...],
+    chunk_size: int,
+    weights_from: WeightsFn | None,
+    cause: str,
+) -> Reduction | str:
+    """Where torch's vmap cannot batch a ``pergrad.module_loss`` (activation checkpointing
+    with ``use_reentrant=True``, an ``autograd.Function`` without a vmap rule) and every
+    parameter is in a layer with a rule: the hooks' per-example gradients, as
+    :func:`pergrad.per_example_grads` would take them, one chunk of ``chunk_size`` examples
+    at a time (one forward and backward pass each), reduced chunk by chunk. With weights, a
+    second pass over the chunks (the hooks refuse a model that draws random numbers, so it
+    recomputes the same gradients); one chunk is kept instead. Where the hooks cannot take
+    the call: ``cause`` (why vmap could not) and why not (then the loop)."""
+    from pergrad._src.strategies import hooks_torch
+
+    bk = call.backend
+    found = hooks_torch.plan(spec, spec.fn, bk.unflatten(call.treedefs[0], call.leaves[0]))
+    if found.unsupported:
+        return cause
+    starts = range(0, call.batch_size, chunk_size)
+
+    def grads_of(start: int) -> list[Any]:
+        rows = tuple(v[start : start + chunk_size] for v in batched)
+        size = min(chunk_size, call.batch_size - start)
+        return hooks_torch.value_and_grads(spec, call, found, single, diff, rows, size)[1]
+
+    kept: list[list[Any]] = []
+    columns: list[list[Any]] = [[] for _ in diff]
+    try:
+        for start in starts:
+            grads = grads_of(start)
+            for column, g in zip(columns, grads):
+                column.append((g.reshape(g.shape[0], -1) ** 2).sum(1))
+            if len(starts) == 1:
+                kept.append(grads)
+    except hooks_torch.HooksUnsupported as err:
+        return f"{cause}; layer hooks cannot take it either ({err})"
+    squared = [bk.concatenate(column, 0) for column in columns]
+    if spec.resolved != "hooks":
+        warnings.warn(
+            f"{spec.func_name}: {bk.name} could not vectorise fn ({cause}). Taking "
+            f"per-example gradients from layer hooks instead, {chunk_size} examples at a "
+            f"time (one forward and backward pass of each chunk): the same result.",
+            FallbackWarning,
+            stacklevel=6,
+        )
+        spec.resolved = "hooks"
+    if weights_from is None:
+        return Reduction(squared, None)
+    weights = weights_from(squared)
+    per_leaf = weights if isinstance(weights, list) else [weights] * len(diff)
+    per_leaf = [bk.stop_gradient(w) for w in per_leaf]
+    sums = [leaf * 0 for leaf in diff]
+    for start in starts:
+        grads = kept.pop() if kept else grads_of(start)
+        for k, (w, g) in enumerate(zip(per_leaf, grads)):
+            w = w[start : start + g.shape[0]]
+            # where, not w * g: a non-finite example has weight 0, and 0 * nan is nan
+            shaped = w.reshape((-1,) + (1,) * (g.ndim - 1))
+            sums[k] = sums[k] + bk.where(shaped != 0, shaped * g, 0.0).sum(0)
+    return Reduction(squared, sums)
 
 
 def _weighted_gradient(

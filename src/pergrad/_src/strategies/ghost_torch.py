@@ -68,6 +68,10 @@ What the hooks cannot see, and how it is handled:
   :class:`GhostUnsupported`, and ``"auto"`` takes the chunked strategy with a warning;
 - a layer called with keyword arguments, or an input changed in place after the layer read it:
   found while running, reported the same way;
+- activation checkpointing with ``use_reentrant=True`` (Hugging Face's default for
+  ``gradient_checkpointing_enable()``): its backward pass refuses ``torch.autograd.grad``,
+  found by the first backward pass and reported the same way (``use_reentrant=False`` runs
+  here: the recomputation happens outside the capture);
 - a parameter used outside its layer's ``forward`` (``F.linear(x, self.fc.weight)`` in a parent):
   only partly detectable. On the first run of each layout it is caught when the batch gradient
   is larger than the per-example norms allow (``|sum_i g_i|^2 <= B sum_i |g_i|^2``), e.g. when
@@ -124,6 +128,17 @@ POSITION_BIAS = torch_position_bias.POSITION_BIAS
 # bfloat16 / float16 rounding: the norms come from the records, the batch gradient was rounded).
 _CONSISTENCY_SLACK = {torch.float32: 1e-3, torch.float64: 1e-3}
 _LOW_PRECISION_SLACK = 3e-2
+
+# Why reentrant activation checkpointing cannot take the ghost path (found by its first backward
+# pass): "auto" takes the chunked strategy, whose layer hooks run it with .backward().
+REENTRANT = (
+    "the model uses activation checkpointing with use_reentrant=True, which torch cannot "
+    "differentiate with torch.autograd.grad, and the ghost strategy's backward pass reaches "
+    "each layer's output gradient that way. Use use_reentrant=False, PyTorch's "
+    "recommendation, to keep the ghost path (torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False); Hugging Face: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+)
 
 
 @dataclass(frozen=True)
@@ -491,13 +506,18 @@ def capture(
     if low_memory:
         unshared = {n: m for n, m in modules.items() if n not in sharing}
         _when_complete(unshared, records, _norms_in_hook(early, summaries))
-    with torch.enable_grad():
-        batch_grads = torch.autograd.grad(
-            run.losses.sum(),
-            wanted,
-            allow_unused=True,
-            retain_graph=retain or not (checked or recheck),
-        )
+    try:
+        with torch.enable_grad():
+            batch_grads = torch.autograd.grad(
+                run.losses.sum(),
+                wanted,
+                allow_unused=True,
+                retain_graph=retain or not (checked or recheck),
+            )
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise GhostUnsupported(REENTRANT) from err
     del wanted
     # an overflowed pass (a skipped mixed-precision step) is checked on a later one
     checking = not checked and torch_checks.records_finite(run.captured(), summaries)
