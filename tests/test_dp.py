@@ -233,6 +233,38 @@ def test_dp_step_reports_the_strategy_that_ran_not_the_plan():
     assert stats.strategy == "chunked"
 
 
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad-scaler"])
+def test_dp_optimizer_noised_update_is_clipped_sum_plus_add_noise(scaler):
+    # the optimizer noises its sums in place: the same draws, order and rounding as add_noise,
+    # and the clipped sum it noises is left alone by nobody else (a second step agrees too)
+    torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    optimizer = dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model,
+        F.cross_entropy,
+        max_norm=0.7,
+        noise_multiplier=1.3,
+        expected_batch_size=8,
+        generator=torch.Generator().manual_seed(5),
+        scaler=torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None,
+    )
+    reference = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        clipped = dp.clipped_sum_of(loss, loss.params(), x, y, max_norm=0.7)
+        want = dp.add_noise(clipped.sum, 1.3 * 0.7, reference)
+        optimizer.step(x, y)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, want[name] / 8, rtol=1e-6, atol=1e-7)
+        optimizer.zero_grad()
+
+
 def test_dp_optimizer_takes_a_step_on_an_empty_batch():
     torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
     import torch.nn.functional as F

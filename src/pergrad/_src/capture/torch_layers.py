@@ -79,24 +79,32 @@ def outer_product_squared_norms(
     if gram_is_cheaper(positions, width_in, width_out) and activations.device.type != "mps":
         # a few examples at a time in float64 (at most FORMED_BLOCK_BYTES of copies): an LM
         # head's output gradients, B x T x vocabulary, copied whole would double their memory
+        # (into one pair of buffers: a fresh allocation per chunk costs more in page faults
+        # than the copy itself)
         per_example = activations[0].numel() + output_grads[0].numel()
-        chunk = max(1, FORMED_BLOCK_BYTES // (8 * per_example))
-        return torch.cat(
-            [
-                _blocked_gram(a.double(), d.double()).to(activations.dtype)
-                for a, d in zip(activations.split(chunk), output_grads.split(chunk))
-            ]
-        )
-    # Formed a few examples at a time (at most FORMED_BLOCK_BYTES), squared in place: an LM
-    # head's p x q gradient per example would otherwise hold B p q numbers twice.
-    per_chunk = width_in * width_out * activations.shape[1] * activations.element_size()
-    chunk = max(1, FORMED_BLOCK_BYTES // per_chunk)
-    return torch.cat(
-        [
-            (a.transpose(-1, -2) @ d).square_().sum((1, 2, 3))
-            for a, d in zip(activations.split(chunk), output_grads.split(chunk))
-        ]
-    )
+        chunk = min(len(activations), max(1, FORMED_BLOCK_BYTES // (8 * per_example)))
+        wide_a = activations.new_empty((chunk, *activations.shape[1:]), dtype=torch.float64)
+        wide_d = output_grads.new_empty((chunk, *output_grads.shape[1:]), dtype=torch.float64)
+        pieces = []
+        for a, d in zip(activations.split(chunk), output_grads.split(chunk)):
+            rows = len(a)
+            wide_a[:rows].copy_(a)
+            wide_d[:rows].copy_(d)
+            pieces.append(_blocked_gram(wide_a[:rows], wide_d[:rows]).to(activations.dtype))
+        return torch.cat(pieces)
+    # Formed a few examples at a time (at most FORMED_BLOCK_BYTES, in one buffer), squared in
+    # place: an LM head's p x q gradient per example would otherwise hold B p q numbers twice.
+    groups = activations.shape[1]
+    per_chunk = width_in * width_out * groups * activations.element_size()
+    chunk = min(len(activations), max(1, FORMED_BLOCK_BYTES // per_chunk))
+    dtype = torch.promote_types(activations.dtype, output_grads.dtype)
+    formed = activations.new_empty((chunk, groups, width_in, width_out), dtype=dtype)
+    pieces = []
+    for a, d in zip(activations.split(chunk), output_grads.split(chunk)):
+        out = formed[: len(a)]
+        torch.matmul(a.transpose(-1, -2).to(dtype), d.to(dtype), out=out)
+        pieces.append(out.square_().sum((1, 2, 3)))
+    return torch.cat(pieces)
 
 
 # The per-layer cost model of the ghost norm. Measured by benchmarks/gram_precision.py (2-core

@@ -785,7 +785,7 @@ def _reduce(
     groups = weight_groups(weights_from(squared), len(found.diff))
     if low_memory:
         return Reduction(squared, _second_pass(loss, found, groups, finite))
-    sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
+    sums: list[Any] = [None] * len(found.diff)  # (zeros at the end where nothing reached)
     for weights, leaves in groups:
         group = {name for name, leaf in params.items() if position[id(leaf)] in leaves}
         owners = {
@@ -803,9 +803,16 @@ def _reduce(
         for name, value in computed:
             if name in group:  # a tied parameter's weighted sum: the sum of its uses'
                 k = position[id(params[name])]
-                sums[k] = sums[k] + value if name in found.tied else value
+                tied = name in found.tied and sums[k] is not None  # the sum of its uses'
+                sums[k] = sums[k] + value if tied else value
     _add_formed_sums(found, groups, sums)
-    return Reduction(squared, sums)
+    return Reduction(squared, _zeros_where_unreached(sums, found.diff))
+
+
+def _zeros_where_unreached(sums: list[Any], diff: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weighted sums, zeros for a parameter no layer's records reached (a model's worth of
+    zeros written up front would be a noticeable part of a large model's step)."""
+    return [torch.zeros_like(x) if s is None else s for s, x in zip(sums, diff)]
 
 
 def _add_formed_sums(found: Captured, groups: list[Any], sums: list[Any]) -> None:
@@ -842,7 +849,7 @@ def _second_pass(
     second = found.second
     assert second is not None
     params, position, canonical = found.params, found.position, found.canonical
-    sums: list[Any] = [torch.zeros_like(x) for x in found.diff]
+    sums: list[Any] = [None] * len(found.diff)
     mismatch: list[str] = []
     seen: set[int] = set()
 
@@ -850,7 +857,8 @@ def _second_pass(
         for name, value in values:
             if name in group:
                 k = position[id(params[name])]
-                sums[k] = sums[k] + value if name in found.tied else value
+                tied = name in found.tied and sums[k] is not None  # the sum of its uses'
+                sums[k] = sums[k] + value if tied else value
 
     def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
         for r in layer_records:
@@ -908,7 +916,7 @@ def _second_pass(
         assert found.squared is not None
         _check_consistency(params, position, found.squared, batch_grads, len(found.squared[0]))
         loss.ghost_checked.add(key)
-    return sums
+    return _zeros_where_unreached(sums, found.diff)
 
 
 def layerwise(

@@ -291,9 +291,8 @@ class DPOptimizer:
         else:
             totals = self._noisy_totals(clipped)
             denominator = self.expected_batch_size or max(totals.count, 1.0)
-            self._update(
-                {name: value / denominator for name, value in totals.sum.items()},
-            )
+            # in place: the totals are the step's own (a model's worth of numbers per copy)
+            self._update({name: value.div_(denominator) for name, value in totals.sum.items()})
         if self.accountant is not None:
             self.accountant.step()  # skipped or not: the batch was drawn (see the docstring)
         return DPStep(
@@ -310,7 +309,8 @@ class DPOptimizer:
         scale = self._scale() if self._scaled_loss is not None else 1.0
         for name, param in self.model.named_parameters():
             if name in gradient:
-                param.grad = (gradient[name] * scale).detach().to(param.dtype)
+                value = gradient[name].detach()
+                param.grad = (value if scale == 1.0 else value.mul_(scale)).to(param.dtype)
         if self.scaler is None:
             self.optimizer.step()
             return
@@ -403,7 +403,7 @@ class DPOptimizer:
         group = self.process_group
         std = self.noise_multiplier * self.max_norm
         if group is None:
-            noisy = add_noise(clipped.sum, std, self.generator)
+            noisy = _noised_in_place(clipped.sum, std, self.generator)
             return StepTotals(noisy, float(clipped.count), float(clipped.clip_fraction))
         local = add_noise(clipped.sum, std, self.generator) if is_noise_rank(group) else clipped.sum
         return all_reduce_totals(
@@ -415,6 +415,30 @@ class DPOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _noised_in_place(
+    summed: dict[str, torch.Tensor], std: float, generator: Any
+) -> dict[str, torch.Tensor]:
+    """``add_noise(summed, std, generator)`` for sums the step owns: the same draws, in the
+    same order, with the same rounding (``std * draw`` rounded, then added), each written into
+    its sum instead of into new tensors: on a large model every copy of P numbers is a
+    noticeable part of the step. A tensor that appears under two names is copied first, so
+    that it gets two draws as ``add_noise`` gives it."""
+    from pergrad._src.backends.torch_backend import TorchBackend
+
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
+        return add_noise(summed, std, generator)  # (its error)
+    backend = TorchBackend()
+    seen: set[int] = set()
+    noisy = {}
+    for name, leaf in summed.items():
+        owned = id(leaf) not in seen
+        seen.add(id(leaf))
+        leaf = leaf.detach() if owned else leaf.detach().clone()
+        draw = backend.standard_normal(generator, leaf)
+        noisy[name] = leaf.add_(draw.mul_(std))
+    return noisy
 
 
 class _ScaledLoss:
