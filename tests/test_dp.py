@@ -265,6 +265,38 @@ def test_dp_optimizer_noised_update_is_clipped_sum_plus_add_noise(scaler):
         optimizer.zero_grad()
 
 
+def test_dp_optimizer_does_not_hold_the_last_steps_grads_through_the_next():
+    # each step overwrites .grad: the last step's are dropped before this step's passes, as
+    # zero_grad(set_to_none=True) would (a model's worth of memory otherwise)
+    torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model[0].bias.requires_grad_(False)
+    seen = []
+
+    def loss_fn(output, y):
+        seen.append([p.grad is None for p in model.parameters() if p.requires_grad])
+        return F.cross_entropy(output, y)
+
+    optimizer = dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        loss_fn,
+        max_norm=1.0,
+        noise_multiplier=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    for _ in range(2):
+        optimizer.step(x, y)
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert model[0].bias.grad is None  # frozen: never written
+    assert len(seen) >= 2 and all(all(flags) for flags in seen)
+
+
 def test_dp_optimizer_takes_a_step_on_an_empty_batch():
     torch = pytest.importorskip("torch", reason="DPOptimizer is PyTorch")
     import torch.nn.functional as F

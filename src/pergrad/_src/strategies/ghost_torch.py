@@ -803,8 +803,8 @@ def _reduce(
         for name, value in computed:
             if name in group:  # a tied parameter's weighted sum: the sum of its uses'
                 k = position[id(params[name])]
-                tied = name in found.tied and sums[k] is not None  # the sum of its uses'
-                sums[k] = sums[k] + value if tied else value
+                tied = name in found.tied and sums[k] is not None  # the sum of its uses',
+                sums[k] = sums[k].add_(value) if tied else value  # into the first (its own)
     _add_formed_sums(found, groups, sums)
     return Reduction(squared, _zeros_where_unreached(sums, found.diff))
 
@@ -857,8 +857,8 @@ def _second_pass(
         for name, value in values:
             if name in group:
                 k = position[id(params[name])]
-                tied = name in found.tied and sums[k] is not None  # the sum of its uses'
-                sums[k] = sums[k] + value if tied else value
+                tied = name in found.tied and sums[k] is not None  # the sum of its uses',
+                sums[k] = sums[k].add_(value) if tied else value  # into the first (its own)
 
     def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
         for r in layer_records:

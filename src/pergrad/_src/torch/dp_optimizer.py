@@ -68,7 +68,9 @@ class DPOptimizer:
     :func:`pergrad.module_loss`, clips each to ``max_norm``, sums, adds Gaussian noise of std
     ``noise_multiplier * max_norm`` from ``generator``, divides by ``expected_batch_size``
     (None: the batch size), writes the result to each parameter's ``.grad`` and steps the
-    wrapped optimizer. The model keeps its mode, hooks and flags; parameters with
+    wrapped optimizer. ``zero_grad()`` is not needed between steps: each step (and each
+    :meth:`accumulate`) first drops the trainable parameters' ``.grad``, which it overwrites,
+    so that the last step's are not held through this one. The model keeps its mode, hooks and flags; parameters with
     ``requires_grad=False`` are left out. An empty batch still takes a step (pure noise), as
     the accounting assumes. Pass an :class:`Accountant` to have it count the steps.
 
@@ -333,6 +335,11 @@ class DPOptimizer:
     def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str, bool]:
         """The micro-batch's clipped sum (unscaled, non-finite examples zeroed), its strategy,
         and whether its scaled gradients overflowed (with a scaler, any non-finite example)."""
+        # The step overwrites every trainable parameter's .grad: the last step's go first, or
+        # they would be held through this step's backward pass (a model's worth of memory).
+        for param in self.model.parameters():
+            if param.requires_grad:
+                param.grad = None
         scale = 1.0
         if self._scaled_loss is not None:
             scale = self._scaled_loss.scale = self._scale()
