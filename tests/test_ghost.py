@@ -793,13 +793,16 @@ def test_the_first_call_retains_no_graph_and_leaves_no_records_behind(monkeypatc
     from pergrad._src.capture.torch_engine import LayerRecord
 
     retained = []
-    grad = torch.autograd.grad
 
-    def recording(*args, **kwargs):
-        retained.append(bool(kwargs.get("retain_graph")))
-        return grad(*args, **kwargs)
+    def recording(original):
+        def call(*args, **kwargs):
+            retained.append(bool(kwargs.get("retain_graph")))
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(torch.autograd, "grad", recording)
+        return call
+
+    for name in ("grad", "backward"):  # the first pass streams its gradients (backward)
+        monkeypatch.setattr(torch.autograd, name, recording(getattr(torch.autograd, name)))
     loss, args = make(GHOST_ZOO["mlp"])
     gc.collect()
     before = {id(x) for x in gc.get_objects() if isinstance(x, LayerRecord)}  # other tests'
@@ -811,6 +814,33 @@ def test_the_first_call_retains_no_graph_and_leaves_no_records_behind(monkeypatc
         gc.enable()
     assert len(retained) == 2 and not any(retained), retained  # the pass, the check's pass
     assert alive == 0
+
+
+def test_the_first_pass_never_holds_the_whole_batch_gradient(monkeypatch):
+    """The first call checks its norms against the batch gradient; each parameter's gradient
+    is reduced to its squared norm as the backward pass finishes it, and dropped, so the pass
+    never holds a model's worth of gradients beside its records (the first step's peak
+    memory). Each gradient handed to the reduction must be gone by the next one."""
+    import weakref
+
+    from pergrad._src.strategies import ghost_torch
+
+    seen: list[weakref.ref] = []
+    alive_at_each: list[int] = []
+    squared_norm = ghost_torch._squared_norm
+
+    def observing(grad):
+        alive_at_each.append(sum(ref() is not None for ref in seen))
+        seen.append(weakref.ref(grad))
+        return squared_norm(grad)
+
+    monkeypatch.setattr(ghost_torch, "_squared_norm", observing)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    loss = pergrad.module_loss(model, lambda out, y: F.mse_loss(out, y))
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 8)
+    clipped_sum_of(loss, loss.params(), x, y, max_norm=1.0, strategy="ghost")
+    assert len(alive_at_each) == 8  # every weight and bias reached the check
+    assert max(alive_at_each) == 0, alive_at_each
 
 
 # --- bad input ----------------------------------------------------------------------------------

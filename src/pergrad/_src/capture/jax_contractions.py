@@ -99,6 +99,34 @@ def embedding_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any
     return _embedding_squared_norms(site, inputs, cotangents).astype(param.dtype)
 
 
+def norm_route(site: Site) -> str:
+    """How the ghost strategy computes the per-example norms of ``site``'s parameter, from the
+    traced shapes (for ``choose_strategy``'s ``norm_routes``)."""
+    if site.kind == "embedding":
+        return "each example's cotangents summed per row it looks up (nothing formed)"
+    operand = site.eqn.invars[1 - site.param_operand].aval
+    output = site.eqn.outvars[0].aval
+    shapes = jax.eval_shape(
+        lambda i, c: dense_factors(site, i, c),
+        jax.ShapeDtypeStruct((1, *operand.shape), operand.dtype),
+        jax.ShapeDtypeStruct((1, *output.shape), output.dtype),
+    )
+    if shapes is None:  # a convolution, or a contraction with batch dimensions
+        return "the per-example gradient of the parameter formed, one example at a time"
+    (_, positions, k), (_, _, f) = shapes[0].shape, shapes[1].shape
+    if positions == 1:
+        return "one position: |x|^2 |g|^2 (nothing formed)"
+    gram_cheaper = positions * (k + f) <= k * f
+    if gram_cheaper and jax.config.jax_enable_x64:
+        return f"Gram matrices in float64 ({positions} x {positions} per example)"
+    why = (
+        "Gram matrices would need float64, and jax_enable_x64 is off"
+        if gram_cheaper
+        else "cheaper than Gram matrices"
+    )
+    return f"the {k} x {f} per-example gradient formed ({positions} positions: {why})"
+
+
 def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] | None:
     """For a ``dot_general`` without batch dimensions: the input as ``(B, T, K)`` and the
     cotangent as ``(B, T, F)`` (``T``: the input's free positions, ``K``: contracted, ``F``: the

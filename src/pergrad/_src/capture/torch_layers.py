@@ -19,6 +19,7 @@ matched by their attributes and checked against their output), ``nn.InstanceNorm
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,55 @@ def gram_is_cheaper(positions: int, width_in: int, width_out: int) -> bool:
     """Whether the Gram route (``T^2 (p + q)`` float64 work per example) costs less than
     forming the ``p x q`` per-example gradient, by the measured :data:`GRAM_COST_RATIO`."""
     return positions * positions * (width_in + width_out) <= GRAM_COST_RATIO * width_in * width_out
+
+
+def gram_limit(width_in: int, width_out: int) -> int:
+    """The most positions per example for which :func:`gram_is_cheaper` takes the Gram route:
+    the largest ``T`` with ``T^2 (p + q) <= GRAM_COST_RATIO p q``."""
+    return math.isqrt(GRAM_COST_RATIO * width_in * width_out // (width_in + width_out))
+
+
+def dense_route(width_in: int, width_out: int) -> str:
+    """How :func:`outer_product_squared_norms` computes a ``p x q`` layer's norms, in words."""
+    return (
+        f"Gram matrices in float64 for up to {gram_limit(width_in, width_out)} positions per "
+        f"example, else the {width_in} x {width_out} per-example gradient formed"
+    )
+
+
+_NORM_LAYERS = (
+    "layer_norm",
+    "rms_norm",
+    "hf_rms_norm",
+    "group_norm",
+    "instance_norm",
+    "batch_norm_eval",
+)
+
+
+def norm_route(rule: str, layer: Any) -> str:
+    """How the ghost strategy computes the per-example norms of a layer of rule ``rule``,
+    decided per layer shape (and, for dense layers, per sequence length), for
+    ``choose_strategy``'s ``norm_routes``."""
+    if rule == "linear":
+        return dense_route(layer.in_features, layer.out_features)
+    if rule == "hf_conv1d":
+        return dense_route(*layer.weight.shape)
+    if rule == "multihead_attention":
+        width = layer.embed_dim
+        return "each projection as a dense layer: " + dense_route(width, width)
+    if rule == "conv":
+        width_in, width_out = layer.weight[0].numel(), layer.out_channels // layer.groups
+        return (
+            f"the {width_in} x {width_out} per-example kernel gradient formed; with fewer "
+            f"than {math.isqrt(width_in * width_out - 1) + 1} output positions, the patches "
+            f"as a dense layer: " + dense_route(width_in, width_out)
+        )
+    if rule == "embedding":
+        return "each example's output gradients summed per row it looks up (nothing formed)"
+    if rule in _NORM_LAYERS:
+        return "the per-example scale and shift gradients formed (a few widths per example)"
+    return "per-example gradients formed"
 
 
 def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,8 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
     and (under "auto") do the per-example gradients of the others stay small?"""
     spec, call = request.spec, request.call
     found = plan(spec, call)
-    layers, materialized = describe(found, _leaf_names(spec, call, request.args))
+    names = _leaf_names(spec, call, request.args)
+    layers, materialized = describe(found, names)
     numbers = materialized_numbers(found, call)
     if forced:
         if not found.sites:
@@ -73,7 +74,9 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
                 f"({_listing(materialized)}). Use strategy='chunked', or 'auto', which picks it "
                 f"for such losses."
             )
-        choice = StrategyChoice("ghost", "requested", None, layers, materialized, found)
+        choice = StrategyChoice(
+            "ghost", "requested", None, layers, materialized, found, _routes(found, names)
+        )
         return Assessment("ghost", True, "requested", choice)
     if found.sites and numbers <= MAX_MATERIALIZED_NUMBERS:
         why = (
@@ -81,9 +84,10 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
             if not materialized
             else f"the parameters outside contractions need only {numbers:,} per-example numbers"
         )
-        return Assessment(
-            "ghost", True, why, StrategyChoice("ghost", why, None, layers, materialized, found)
+        choice = StrategyChoice(
+            "ghost", why, None, layers, materialized, found, _routes(found, names)
         )
+        return Assessment("ghost", True, why, choice)
     why = (
         "no differentiated parameter enters the loss through a contraction"
         if not found.sites
@@ -91,6 +95,16 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
         f"(more than {MAX_MATERIALIZED_NUMBERS:,}): {_listing(materialized)}"
     )
     return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers, materialized))
+
+
+def _routes(found: JaxGhostPlan, names: list[str]) -> dict[str, str]:
+    """Each ghost leaf's norm route (``StrategyChoice.norm_routes``); a tied table's, per use."""
+    routes = {
+        names[k]: jax_contractions.norm_route(site) for k, site in sorted(found.sites.items())
+    }
+    for k, group in sorted(found.shared.items()):
+        routes[names[k]] = "tied: " + "; ".join(jax_contractions.norm_route(site) for site in group)
+    return routes
 
 
 def _leaf_names(spec: Spec, call: Call, args: tuple[Any, ...]) -> list[str]:

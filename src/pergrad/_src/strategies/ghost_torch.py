@@ -90,7 +90,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_generic, torch_position_bias, torch_tied
+from pergrad._src.capture import (
+    torch_checks,
+    torch_generic,
+    torch_layers,
+    torch_position_bias,
+    torch_tied,
+)
 from pergrad._src.capture.rules import (
     in_reduction_precision,
     is_additive,
@@ -305,7 +311,17 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
                 for tied, uses in found.tied.items()
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
-    return Assessment(name, True, why, StrategyChoice(name, why, None, layers))
+    routes = {layer: _norm_route(request.fn.model, layer, rule) for layer, rule in layers.items()}
+    return Assessment(name, True, why, StrategyChoice(name, why, None, layers, norm_routes=routes))
+
+
+def _norm_route(model: nn.Module, layer: str, rule: str) -> str:
+    """How the ghost strategy computes the norms of ``layer`` (for ``StrategyChoice``)."""
+    if rule == GENERIC:
+        return "per-example gradients formed, the unit run alone on each example"
+    if rule == POSITION_BIAS:
+        return "per-example gradients of the table formed, its bias expanded to the batch"
+    return torch_layers.norm_route(rule, model.get_submodule(layer))
 
 
 def _formed(layers: dict[str, str]) -> str:
@@ -506,14 +522,21 @@ def capture(
     if low_memory:
         unshared = {n: m for n, m in modules.items() if n not in sharing}
         _when_complete(unshared, records, _norms_in_hook(early, summaries))
+    position = {id(leaf): k for k, leaf in enumerate(diff)}
+    keep = {position[id(params[full])] for names in assigned.values() for full in names.values()}
+    keep |= {position[id(params[weight])] for weight in tables.values()}
+    batch = BatchGradient([None] * len(diff), {})
     try:
         with torch.enable_grad():
-            batch_grads = torch.autograd.grad(
-                run.losses.sum(),
-                wanted,
-                allow_unused=True,
-                retain_graph=retain or not (checked or recheck),
-            )
+            if wanted is diff:  # the first run's checks: streamed, never all held at once
+                batch = _batch_gradient(run.losses.sum(), diff, keep, not recheck)
+            else:
+                torch.autograd.grad(
+                    run.losses.sum(),
+                    wanted,
+                    allow_unused=True,
+                    retain_graph=retain or not (checked or recheck),
+                )
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
@@ -523,7 +546,6 @@ def capture(
     checking = not checked and torch_checks.records_finite(run.captured(), summaries)
     if checking and not (retain or recheck):  # before any rule reads the records: a wrong
         _check_layout(spec, call, run, summaries, retain=False)  # layout can crash one
-    position = {id(leaf): k for k, leaf in enumerate(diff)}
     found = Captured(diff, params, position, modules, records, {}, tied, canonical, None)
 
     def reduce() -> None:
@@ -587,9 +609,9 @@ def capture(
             found.recheck = Recheck(key, run.rng, _ordered(run, summaries))
     if checking and not deferred:
         assert found.squared is not None
-        by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
+        by_name = {name: batch.kept.get(position[id(leaf)]) for name, leaf in params.items()}
         _check_unit_sums(units, assigned, tables, found.unit_grads, by_name)
-        _check_consistency(params, position, found.squared, batch_grads, batch_size)
+        _check_consistency(params, position, found.squared, batch.squared_norms, batch_size)
         if found.recheck is None:
             loss.ghost_checked.add(key)
     return found
@@ -914,7 +936,8 @@ def _second_pass(
         by_name = {name: batch_grads[position[id(leaf)]] for name, leaf in params.items()}
         _check_unit_sums(units, units, tables, found.unit_grads, by_name)
         assert found.squared is not None
-        _check_consistency(params, position, found.squared, batch_grads, len(found.squared[0]))
+        squared_norms = [None if g is None else _squared_norm(g) for g in batch_grads]
+        _check_consistency(params, position, found.squared, squared_norms, len(found.squared[0]))
         loss.ghost_checked.add(key)
     return _zeros_where_unreached(sums, found.diff)
 
@@ -1302,22 +1325,65 @@ def _fill_zeros(
             squared[position[id(leaf)]] = leaf.new_zeros(batch_size)
 
 
+@dataclass
+class BatchGradient:
+    """A first run's batch gradient, as its checks need it: each leaf's squared norm (None
+    where the loss does not reach it), and the whole gradient of the ``kept`` leaves (those
+    whose per-example gradients are formed, checked entry by entry)."""
+
+    squared_norms: list[Any]
+    kept: dict[int, torch.Tensor]
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad.detach()) ** 2
+
+
+def _batch_gradient(
+    total: torch.Tensor, diff: list[torch.Tensor], keep: set[int], retain: bool
+) -> BatchGradient:
+    """The backward pass of ``total`` into every leaf of ``diff``, each leaf's gradient
+    reduced to its squared norm as soon as the pass has accumulated it and then dropped (kept
+    whole for the leaves in ``keep``): a first run checks the norms against the batch gradient
+    without holding a model's worth of gradients beside the records."""
+    found = BatchGradient([None] * len(diff), {})
+
+    def reduce(k: int, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        assert grad is not None
+        found.squared_norms[k] = _squared_norm(grad)
+        if k in keep:
+            found.kept[k] = grad
+
+    handles = [
+        leaf.register_post_accumulate_grad_hook(functools.partial(reduce, k))
+        for k, leaf in enumerate(diff)
+    ]
+    try:
+        torch.autograd.backward(total, inputs=diff, retain_graph=retain)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
 def _check_consistency(
     params: dict[str, torch.Tensor],
     position: dict[int, int],
     squared: list[Any],
-    batch_grads: Any,
+    batch_squared_norms: list[Any],
     batch_size: int,
 ) -> None:
-    """Refuse norms the batch gradient contradicts.
+    """Refuse norms the batch gradient contradicts (``batch_squared_norms``: each leaf's
+    ``|sum_i g_i|^2``, None where the loss does not reach it).
 
     For any per-example gradients, ``|sum_i g_i|^2 <= B sum_i |g_i|^2``. If the batch gradient
     breaks it, some use of the parameter escaped the layer hooks.
     """
-    checked = [(k, g) for k, g in enumerate(batch_grads) if g is not None]
+    checked = [(k, g) for k, g in enumerate(batch_squared_norms) if g is not None]
     if not checked:
         return
-    batch_sq = torch.stack([torch.linalg.vector_norm(g.detach()) ** 2 for _, g in checked])
+    batch_sq = torch.stack([g for _, g in checked])
     bound = batch_size * torch.stack([squared[k].sum() for k, _ in checked])
     slack = _CONSISTENCY_SLACK.get(torch_checks.checked_dtype(batch_sq), _LOW_PRECISION_SLACK)
     escaped = (batch_sq > bound * (1 + slack) + 1e-30).nonzero().flatten().tolist()

@@ -73,6 +73,13 @@ class StrategyChoice:
       unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
         parameter path -> why its per-example gradients are formed (the ghost strategy still
         runs; these parameters get ordinary per-example gradients in the same pass).
+      norm_routes: how the ghost strategy computes each entry of ``layers``' per-example
+        norms, decided per layer shape: Gram matrices of the layer's inputs and of its output
+        gradients (``T x T`` per example, in float64), the per-example gradient of that layer
+        formed (``p x q``), or a closed form (one position: ``|x|^2 |g|^2``; an embedding's
+        rows). A PyTorch layer's route depends on the tokens per example, which only a run
+        sees: it says up to how many positions the Gram route is taken. A JAX contraction's
+        shapes are traced: its route is the one taken.
       plan: the analysis the ghost strategy runs from (internal).
 
     A ghost run can still meet something only visible while running (a layer that does not get
@@ -86,6 +93,7 @@ class StrategyChoice:
     layers: dict[str, str] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
     plan: Any = field(default=None, repr=False, compare=False)
+    norm_routes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
