@@ -764,9 +764,9 @@ def test_a_loss_fn_that_vmap_cannot_batch_is_looped_over_the_rows():
 
 
 def test_ghost_runs_the_model_once_on_the_whole_batch():
-    """Once per call; the first call of a layout runs the batch once more and a few examples
-    alone (its checks: the second run's backward pass checks the rows, so the first need not
-    retain its graph)."""
+    """Once per call; the first call of a layout runs the batch once more before its plain pass
+    and a few examples alone after it (its checks: the weighted run's backward pass summarises
+    the rows that the plain pass then checks, so neither retains its graph)."""
     from pergrad._src.capture.torch_checks import LOSS_CHECKS
 
     loss, args = make(GHOST_ZOO["mlp"])
@@ -814,6 +814,35 @@ def test_the_first_call_retains_no_graph_and_leaves_no_records_behind(monkeypatc
         gc.enable()
     assert len(retained) == 2 and not any(retained), retained  # the pass, the check's pass
     assert alive == 0
+
+
+def test_the_first_calls_check_runs_before_any_sum_is_formed(monkeypatch):
+    """The first call of a layout runs the batch twice (its row check); the second run must
+    not happen while the clipped sums (a model's worth) are held, or the first step's peak
+    memory is a model above every later step's (GPT-2 small: 1.28x a non-private step against
+    1.01x). Every run of the batch comes before the sums are formed."""
+    from pergrad._src.strategies import ghost_torch
+
+    formed = []
+    reduce = ghost_torch._reduce
+
+    def observing(*args, **kwargs):
+        result = reduce(*args, **kwargs)
+        formed.append(True)
+        return result
+
+    monkeypatch.setattr(ghost_torch, "_reduce", observing)
+    loss, args = make(GHOST_ZOO["mlp"])
+    runs_after_sums = []
+    handle = loss.model.register_forward_pre_hook(
+        lambda m, inputs: runs_after_sums.append(bool(formed) and inputs[0].shape[0] == BATCH)
+    )
+    try:
+        clipped_sum_of(loss, *args, max_norm=1.0, strategy="ghost")
+    finally:
+        handle.remove()
+    assert formed and len(runs_after_sums) > 2  # the first call, its check included
+    assert not any(runs_after_sums), runs_after_sums
 
 
 def test_the_first_pass_never_holds_the_whole_batch_gradient(monkeypatch):

@@ -216,6 +216,66 @@ def check_rows(
                 record.output_grad = None if isinstance(first, RowSummary) else first
 
 
+def weighted_summaries(
+    records: dict[str, list[Any]],
+    weighted_backward: Callable[[torch.Tensor], None],
+    weights: torch.Tensor,
+) -> dict[str, list[RowSummary | None]]:
+    """The first half of a row check run before the plain pass: each record's summary of its
+    output gradient of ``sum_b weights[b] * loss_b`` (None where none reached it), by name, in
+    the order of the calls, each gradient summarised as its hook hands it over and dropped.
+    :func:`check_rows_against` compares the plain pass's records with them."""
+    found: dict[str, list[RowSummary | None]] = {n: [None] * len(rs) for n, rs in records.items()}
+
+    def watcher(summaries: list[RowSummary | None], k: int) -> Callable[[torch.Tensor], None]:
+        def watch(grad: torch.Tensor) -> None:
+            summaries[k] = summarize_rows(grad)
+
+        return watch
+
+    for name, rs in records.items():
+        for k, record in enumerate(rs):
+            record.watch = watcher(found[name], k)
+    try:
+        weighted_backward(weights)
+    finally:
+        for rs in records.values():
+            for record in rs:
+                record.watch = None
+    return found
+
+
+def check_rows_against(
+    records: dict[str, list[Any]],
+    weighted: dict[str, list[RowSummary | None]],
+    weights: torch.Tensor,
+    summaries: dict[int, RowSummary] | None = None,
+) -> None:
+    """Raise :class:`GhostUnsupported` unless every record's output gradient (of
+    ``sum_b loss_b``, a later run of the same batch) is row-local: row ``b`` times
+    ``weights[b]`` must be what :func:`weighted_summaries` summarised of the weighted run's
+    gradient at the same call. ``summaries``: ``id(record) -> RowSummary`` for records whose
+    gradient was released (``output_grad`` None). The same test as :func:`check_rows`, the
+    two backward passes in two runs, so that neither keeps its graph for the other."""
+    summaries = summaries or {}
+    for name, rs in records.items():
+        if len(rs) != len(weighted.get(name, ())):
+            raise GhostUnsupported(
+                f"run a second time on the same batch, the model called layer {name!r} "
+                f"another number of times: the ghost strategy cannot check where the batch is"
+            )
+        for record, second in zip(rs, weighted[name]):
+            first = summaries.get(id(record))
+            if first is None and record.output_grad is not None:
+                first = summarize_rows(record.output_grad)
+            if first is None:  # no gradient reached this call: nothing to place
+                continue
+            if second is None or not rows_match(
+                second.values, first.values, divide_by=weights, dtype=first.dtype
+            ):
+                raise GhostUnsupported(_row_problem(name))
+
+
 def records_finite(
     records: dict[str, list[Any]], summaries: dict[int, RowSummary] | None = None
 ) -> bool:

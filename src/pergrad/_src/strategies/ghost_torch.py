@@ -59,11 +59,13 @@ What the hooks cannot see, and how it is handled:
   batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``:
   the arguments' shapes, batch size included) establishes it: every hooked output gradient must
   be row-local (the backward pass of the losses weighted per example, compared row by row with
-  summaries of the plain pass's: :func:`recheck_rows` runs the batch a second time for it,
-  after the reductions, so that no backward pass retains its graph and the first step needs no
-  more memory than the others) and the first examples run alone must get their batched losses
-  (``torch_checks.py``). A rule may read the records before the check; its values are used, and
-  its errors raised, only after the check has passed. A layer run alone must also reproduce its
+  the plain pass's: :func:`_weighted_run` runs the batch once before the plain pass for it and
+  keeps only summaries of its rows, so that no backward pass retains its graph and nothing of
+  the plain pass is held through the other: the first step needs no more memory than the
+  others) and the first examples run alone must get their batched losses
+  (``torch_checks.py``). A rule reads the records only after the check has passed (in the
+  low-memory mode's sums, before it: its values are used, and its errors raised, only after
+  the check). A layer run alone must also reproduce its
   batched output from each example's slice of its inputs. Any failure is
   :class:`GhostUnsupported`, and ``"auto"`` takes the chunked strategy with a warning;
 - a layer called with keyword arguments, or an input changed in place after the layer read it:
@@ -354,8 +356,6 @@ class Captured:
       squared: per leaf ``(B,)`` squared norms, or None when not asked for.
       second: what the low-memory mode's second backward pass needs (when a weighted sum
         follows), else None.
-      recheck: a first run's row check, for the caller to run (:func:`recheck_rows`) once it
-        no longer needs the records, else None.
     """
 
     diff: list[torch.Tensor]
@@ -368,7 +368,6 @@ class Captured:
     canonical: dict[str, str]
     squared: list[Any] | None
     second: SecondPass | None = None
-    recheck: Recheck | None = None
 
 
 @dataclass
@@ -485,7 +484,6 @@ def capture(
     norms: bool = True,
     low_memory: bool = False,
     retain: bool = False,
-    recheck: bool = False,
 ) -> Captured:
     """The model once over the batch with every layer of ``layers`` hooked (steps 1-2 of the
     module docstring), the first run of a layout checked; with ``norms`` (always on a first
@@ -495,13 +493,19 @@ def capture(
     backward pass has given all its output gradients, which it then drops
     (:func:`_when_complete`); the first run's row check compares row summaries
     (``torch_checks.RowSummary``) for them. ``retain``: keep the graph for the second backward
-    pass of :func:`_second_pass` (``Captured.second``). ``recheck``: a first run's row check
-    is left to :func:`recheck_rows`, after the caller's reductions (``Captured.recheck``), so
-    that this backward pass need not retain its graph for it."""
+    pass of :func:`_second_pass` (``Captured.second``), whose first run checks its rows
+    through that graph; otherwise a first run's row check runs the batch once before, weighted
+    (:func:`_weighted_run`), so that no backward pass retains its graph."""
     batch_size = call.batch_size
     run = _forward(spec, call, loss, layers)
     key = torch_checks.layout_key(run.params, [x for xs in call.leaves[1:] for x in xs])
     checked = key in loss.ghost_checked
+    weighted = None
+    if not (checked or retain) and batch_size > 1:  # (one example: every row is its own)
+        weighted = _weighted_run(spec, call, run)
+        del run  # the plain pass from the same random-number state: the same dropout masks
+        call.backend.set_rng_state(weighted.rng)
+        run = _forward(spec, call, loss, layers)
     diff, params, modules, records = run.diff, run.params, run.modules, run.records
     units, assigned, tables, tied, canonical = (
         run.units,
@@ -529,13 +533,13 @@ def capture(
     try:
         with torch.enable_grad():
             if wanted is diff:  # the first run's checks: streamed, never all held at once
-                batch = _batch_gradient(run.losses.sum(), diff, keep, not recheck)
+                batch = _batch_gradient(run.losses.sum(), diff, keep, retain=False)
             else:
                 torch.autograd.grad(
                     run.losses.sum(),
                     wanted,
                     allow_unused=True,
-                    retain_graph=retain or not (checked or recheck),
+                    retain_graph=retain,
                 )
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
@@ -544,8 +548,11 @@ def capture(
     del wanted
     # an overflowed pass (a skipped mixed-precision step) is checked on a later one
     checking = not checked and torch_checks.records_finite(run.captured(), summaries)
-    if checking and not (retain or recheck):  # before any rule reads the records: a wrong
-        _check_layout(spec, call, run, summaries, retain=False)  # layout can crash one
+    if checking and weighted is not None:  # before any rule reads the records: a wrong
+        torch_checks.check_rows_against(  # layout can crash one
+            run.captured(), weighted.summaries, weighted.weights, summaries
+        )
+        _check_losses_alone(spec, call, run)
     found = Captured(diff, params, position, modules, records, {}, tied, canonical, None)
 
     def reduce() -> None:
@@ -574,7 +581,7 @@ def capture(
         _fill_zeros(params, position, squared, batch_size)
         found.squared = squared
 
-    if not (retain or (recheck and checking)):
+    if not retain:
         reduce()
     else:
         # Rules read the records before the row check here (which then compares summaries):
@@ -585,88 +592,63 @@ def capture(
             failure = None
         except Exception as err:  # noqa: BLE001
             failure = err
-        summarize = checking or retain
         for slot in (r for rs in run.captured().values() for r in rs):
-            if summarize and slot.output_grad is not None:
+            if slot.output_grad is not None:
                 summaries[id(slot)] = torch_checks.summarize_rows(slot.output_grad)
-        if retain:  # the records' gradients are read: drop them; the units' and tables' sums
-            for slot in (r for rs in run.captured().values() for r in rs):  # come from their
-                slot.output_grad = None  # per-example gradients, so drop their next ones too
-            for rs in (*run.unit_records.values(), *run.bias_records.values()):
-                for r in rs:
-                    r.watch = _drop
-            if checking:
-                _check_layout(spec, call, run, summaries, retain=True)
-        elif failure is not None:  # recheck: the check first, then the rule's error
-            failed = Recheck(key, run.rng, _ordered(run, summaries))
-            recheck_rows(spec, call, loss, layers, failed, mark=False)
+        # the records' gradients are read: drop them; the units' and tables' sums come from
+        # their per-example gradients, so drop their next ones too
+        for slot in (r for rs in run.captured().values() for r in rs):
+            slot.output_grad = None
+        for rs in (*run.unit_records.values(), *run.bias_records.values()):
+            for r in rs:
+                r.watch = _drop
+        if checking:
+            _check_layout(spec, call, run, summaries, retain=True)
         if failure is not None:
             raise failure
-        if retain:
-            pending = (key, {u: assigned[u] for u in units}, tables) if checking else None
-            found.second = SecondPass(run.losses, run.light, summaries, pending)
-        else:
-            found.recheck = Recheck(key, run.rng, _ordered(run, summaries))
+        pending = (key, {u: assigned[u] for u in units}, tables) if checking else None
+        found.second = SecondPass(run.losses, run.light, summaries, pending)
     if checking and not deferred:
         assert found.squared is not None
         by_name = {name: batch.kept.get(position[id(leaf)]) for name, leaf in params.items()}
         _check_unit_sums(units, assigned, tables, found.unit_grads, by_name)
         _check_consistency(params, position, found.squared, batch.squared_norms, batch_size)
-        if found.recheck is None:
-            loss.ghost_checked.add(key)
+        loss.ghost_checked.add(key)
     return found
 
 
 @dataclass(frozen=True)
-class Recheck:
-    """A first run's row check left for after the reductions (:func:`recheck_rows`): the
-    layout key, the random-number state before the first pass, and each record's summary of
-    its output gradient (None: it got none), by name, in the order of the calls."""
+class WeightedRun:
+    """The first half of a first run's row check (:func:`_weighted_run`): the random-number
+    state before it, the per-example weights, and each record's summary of its weighted
+    output gradient (None: it got none), by name, in the order of the calls."""
 
-    key: Any
     rng: Any
+    weights: torch.Tensor
     summaries: dict[str, list[torch_checks.RowSummary | None]]
 
 
-def _ordered(
-    run: BatchedPass, summaries: dict[int, torch_checks.RowSummary]
-) -> dict[str, list[torch_checks.RowSummary | None]]:
-    return {name: [summaries.get(id(r)) for r in rs] for name, rs in run.captured().items()}
+def _weighted_run(spec: Spec, call: Call, run: BatchedPass) -> WeightedRun:
+    """The backward pass of ``sum_b w_b loss_b`` through ``run`` (only to the layers' outputs,
+    no weight gradient), each hooked output gradient summarised row by row and dropped as it
+    comes, the graph freed. The plain pass that follows, from the same random-number state
+    (the same dropout masks), checks its rows against these summaries
+    (``torch_checks.check_rows_against``) where its records are finite. Costs one
+    forward and one light backward pass, once per layout, at about the memory of a
+    non-private step, with nothing of the plain pass alive beside it."""
+    weights = torch_checks.row_weights(call.batch_size, run.losses)
 
+    def weighted_backward(weights: torch.Tensor) -> None:
+        try:
+            with torch.enable_grad():
+                torch.autograd.grad((run.losses * weights).sum(), run.light, allow_unused=True)
+        except RuntimeError as err:
+            if "use_reentrant=True" not in str(err):
+                raise
+            raise GhostUnsupported(REENTRANT) from err
 
-def recheck_rows(
-    spec: Spec,
-    call: Call,
-    loss: ModuleLoss,
-    layers: dict[str, str],
-    pending: Recheck,
-    mark: bool = True,
-) -> None:
-    """A first run's row check without the first pass's graph: the batch runs forward again
-    from the first pass's random-number state (the same dropout masks), and each hooked
-    output's gradient of ``sum_b w_b loss_b`` is compared with the first pass's summary of
-    the same call; then (``mark``: the call succeeded) the layout is marked checked. Costs one forward and one light backward
-    pass, once per layout, at about the memory of a non-private step: the first step of the
-    one-pass mode then needs no more memory than the later ones."""
-    call.backend.set_rng_state(pending.rng)
-    run = _forward(spec, call, loss, layers)
-    captured = run.captured()
-    if {name: len(rs) for name, rs in captured.items()} != {
-        name: len(rs) for name, rs in pending.summaries.items()
-    }:
-        raise GhostUnsupported(
-            "run a second time on the same batch, the model called its layers another number "
-            "of times: the ghost strategy cannot check where the batch is"
-        )
-    summaries = {
-        id(r): first
-        for name, rs in captured.items()
-        for r, first in zip(rs, pending.summaries[name])
-        if first is not None
-    }
-    _check_layout(spec, call, run, summaries, retain=False)
-    if mark:
-        loss.ghost_checked.add(pending.key)
+    summaries = torch_checks.weighted_summaries(run.captured(), weighted_backward, weights)
+    return WeightedRun(run.rng, weights, summaries)
 
 
 def _check_unit_sums(
@@ -775,20 +757,8 @@ def ghost(
     """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy;
     ``low_memory``: the ``"ghost-lowmem"`` strategy (:func:`_second_pass`)."""
     retain = low_memory and weights_from is not None
-    found = capture(
-        spec, call, loss, layers, low_memory=low_memory, retain=retain, recheck=not retain
-    )
-    try:
-        reduction = _reduce(loss, found, weights_from, low_memory)
-    except Exception:
-        if found.recheck is not None:  # a wrong layout explains the error best
-            found.records, found.unit_grads = {}, {}
-            recheck_rows(spec, call, loss, layers, found.recheck, mark=False)
-        raise
-    if found.recheck is not None:  # the first run of a layout: check it, the records freed
-        found.records, found.unit_grads = {}, {}
-        recheck_rows(spec, call, loss, layers, found.recheck)
-    return reduction
+    found = capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)
+    return _reduce(loss, found, weights_from, low_memory)
 
 
 def _reduce(
@@ -1021,7 +991,7 @@ def _check_layout(
     """The first run of a layout: every captured output gradient (or, for those dropped
     before the check, its summary) is row-local, and examples run alone get their batched loss
     (``torch_checks.py``). ``retain``: keep the graph for a later pass."""
-    batch_size, losses, rng = call.batch_size, run.losses, run.rng
+    batch_size, losses = call.batch_size, run.losses
     if batch_size < 2:  # one example: every row is its own
         return
 
@@ -1037,13 +1007,19 @@ def _check_layout(
         torch_checks.row_weights(batch_size, losses),
         summaries,
     )
-    if call.backend.rng_state_changed(rng):
+    _check_losses_alone(spec, call, run)
+
+
+def _check_losses_alone(spec: Spec, call: Call, run: BatchedPass) -> None:
+    """The first examples run alone must get their batched losses (unless the model drew
+    random numbers in ``run``: a run alone would draw other ones)."""
+    if call.backend.rng_state_changed(run.rng):
         return  # the model draws random numbers (dropout): a run alone draws other ones
     single = single_example_fn(spec, call, {})
     batched = tuple(call.leaves[i][j] for i, j in call.batched_positions)
     detached = tuple(x.detach() for x in run.diff)
     index = torch_checks.check_losses_alone(
-        single, detached, batched, losses.detach(), torch_checks.LOSS_CHECKS
+        single, detached, batched, run.losses.detach(), torch_checks.LOSS_CHECKS
     )
     if index is not None:
         raise GhostUnsupported(
