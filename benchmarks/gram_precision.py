@@ -31,6 +31,10 @@ SHAPES = [
     (16, 32, 768, 768),
     (4, 512, 768, 768),
     (2, 1024, 768, 3072),
+    (32, 65, 128, 512),  # ViT MLP (the small config of dp_transformers.py)
+    (32, 65, 512, 128),
+    (16, 128, 256, 1024),  # BERT / GPT-2 MLP (small configs)
+    (8, 128, 768, 3072),  # GPT-2 small's MLP
 ]
 
 

@@ -3,7 +3,8 @@ norms (Gram matrices, the formed per-example gradient, or a closed form), and th
 reported is the route taken.
 
 The Gram route's limit is checked against a brute-force search of its cost rule
-(``T^2 (p + q) <= GRAM_COST_RATIO p q``), and the route taken is observed by counting calls of
+(``FLOAT64_COST T (p + q) <= p q``: float64 multiply-adds of the Gram matrices against
+float32 ones of the formed gradient), and the route taken is observed by counting calls of
 the Gram kernel on both sides of the limit, with the norms checked against a loop.
 """
 
@@ -14,10 +15,14 @@ import pytest
 import pergrad
 
 
-def brute_force_limit(width_in: int, width_out: int, ratio: int) -> int:
-    """The largest number of positions whose Gram matrices the cost rule accepts."""
-    positions = 1
-    while (positions + 1) ** 2 * (width_in + width_out) <= ratio * width_in * width_out:
+def brute_force_limit(width_in: int, width_out: int, float64_cost: int) -> int:
+    """The largest number of positions whose Gram matrices cost no more multiply-adds (float64
+    ones counted ``float64_cost`` times) than forming the per-example gradient."""
+    positions = 0
+    while (
+        float64_cost * (positions + 1) ** 2 * (width_in + width_out)
+        <= (positions + 1) * width_in * width_out
+    ):
         positions += 1
     return positions
 
@@ -50,7 +55,7 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     choice = pergrad.norms.choose_strategy(loss, loss.params(), ids, labels)
     assert choice.strategy == "ghost"
     assert set(choice.norm_routes) == set(choice.layers) == {"embed", "conv", "norm", "head"}
-    limit = brute_force_limit(6, 24, torch_layers.GRAM_COST_RATIO)
+    limit = brute_force_limit(6, 24, torch_layers.FLOAT64_COST)
     assert f"up to {limit} positions" in choice.norm_routes["head"]
     assert "6 x 24 per-example gradient formed" in choice.norm_routes["head"]
     assert "24 x 6 per-example kernel gradient" in choice.norm_routes["conv"]  # 8 x 3 inputs
@@ -67,8 +72,8 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     from _reference import torch_flat_norms, torch_module_loop_grads
     from pergrad._src.capture import torch_layers
 
-    width = 8
-    limit = brute_force_limit(width, width, torch_layers.GRAM_COST_RATIO)
+    width = 32
+    limit = brute_force_limit(width, width, torch_layers.FLOAT64_COST)
     positions = limit + beyond
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.Flatten(), nn.Linear(positions * width, 3))

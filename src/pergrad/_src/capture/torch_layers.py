@@ -108,11 +108,13 @@ def outer_product_squared_norms(
     return torch.cat(pieces)
 
 
-# The per-layer cost model of the ghost norm. Measured by benchmarks/gram_precision.py (2-core
-# CPU): an entry of the float64 Gram route, B T^2 (p + q) of them, costs about 1/50 of an entry
-# of the formed per-example gradient, B p q of them (writing and squaring B x p x q numbers is
-# memory-bound where T is small next to p and q).
-GRAM_COST_RATIO = 50
+# The per-layer cost model of the ghost norm, by multiply-adds: the float64 Gram route does
+# T^2 (p + q) of them per example, forming the per-example gradient T p q in float32, and a
+# float64 multiply-add costs about two float32 ones. Measured by benchmarks/gram_precision.py
+# (2-core CPU): the cheaper route picked on every shape there, from T = 16 to 1024 and widths
+# 128 to 3072 (an earlier rule, T^2 (p + q) <= 50 p q, took the Gram route for a ViT MLP at
+# T = 65, 128 x 512, where forming was 1.8x faster).
+FLOAT64_COST = 2
 # Per-example gradients formed for their norm (where the Gram route is dearer) are formed a few
 # examples at a time, at most this many bytes.
 FORMED_BLOCK_BYTES = 2**25
@@ -122,23 +124,25 @@ GRAM_BLOCK_BYTES = 2**27
 
 
 def gram_is_cheaper(positions: int, width_in: int, width_out: int) -> bool:
-    """Whether the Gram route (``T^2 (p + q)`` float64 work per example) costs less than
-    forming the ``p x q`` per-example gradient, by the measured :data:`GRAM_COST_RATIO`."""
-    return positions * positions * (width_in + width_out) <= GRAM_COST_RATIO * width_in * width_out
+    """Whether the Gram route (``T^2 (p + q)`` float64 multiply-adds per example) costs less
+    than forming the ``p x q`` per-example gradient (``T p q`` in float32), a float64 one
+    costing :data:`FLOAT64_COST` float32 ones: ``FLOAT64_COST T (p + q) <= p q``."""
+    return FLOAT64_COST * positions * (width_in + width_out) <= width_in * width_out
 
 
 def gram_limit(width_in: int, width_out: int) -> int:
-    """The most positions per example for which :func:`gram_is_cheaper` takes the Gram route:
-    the largest ``T`` with ``T^2 (p + q) <= GRAM_COST_RATIO p q``."""
-    return math.isqrt(GRAM_COST_RATIO * width_in * width_out // (width_in + width_out))
+    """The most positions per example for which :func:`gram_is_cheaper` takes the Gram route
+    (0: never)."""
+    return width_in * width_out // (FLOAT64_COST * (width_in + width_out))
 
 
 def dense_route(width_in: int, width_out: int) -> str:
     """How :func:`outer_product_squared_norms` computes a ``p x q`` layer's norms, in words."""
-    return (
-        f"Gram matrices in float64 for up to {gram_limit(width_in, width_out)} positions per "
-        f"example, else the {width_in} x {width_out} per-example gradient formed"
-    )
+    limit = gram_limit(width_in, width_out)
+    formed = f"the {width_in} x {width_out} per-example gradient formed"
+    if limit < 2:  # one position takes the closed form whatever the widths
+        return f"{formed} (one position: |x|^2 |d|^2; Gram matrices never cost less here)"
+    return f"Gram matrices in float64 for up to {limit} positions per example, else {formed}"
 
 
 _NORM_LAYERS = (
