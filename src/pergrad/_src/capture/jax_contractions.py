@@ -116,7 +116,7 @@ def norm_route(site: Site) -> str:
     (_, positions, k), (_, _, f) = shapes[0].shape, shapes[1].shape
     if positions == 1:
         return "one position: |x|^2 |g|^2 (nothing formed)"
-    gram_cheaper = positions * (k + f) <= k * f
+    gram_cheaper = _gram_is_cheaper(positions, k, f)
     if gram_cheaper and jax.config.jax_enable_x64:
         return f"Gram matrices in float64 ({positions} x {positions} per example)"
     why = (
@@ -125,6 +125,12 @@ def norm_route(site: Site) -> str:
         else "cheaper than Gram matrices"
     )
     return f"the {k} x {f} per-example gradient formed ({positions} positions: {why})"
+
+
+def _gram_is_cheaper(positions: int, k: int, f: int) -> bool:
+    """Whether the ``T x T`` Gram matrices cost less than the ``k x f`` formed gradient (the
+    route :func:`norm_route` reports is this one)."""
+    return positions * (k + f) <= k * f
 
 
 def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] | None:
@@ -170,7 +176,7 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
     f = d.shape[2]
     if positions == 1:
         return (a[:, 0] ** 2).sum(axis=1) * (d[:, 0] ** 2).sum(axis=1)
-    if positions * (k + f) <= k * f and jax.config.jax_enable_x64:
+    if _gram_is_cheaper(positions, k, f) and jax.config.jax_enable_x64:
         wide_a, wide_d = a.astype(jnp.float64), d.astype(jnp.float64)
         gram_a = jnp.einsum("btk,bsk->bts", wide_a, wide_a, precision=_EXACT)
         gram_d = jnp.einsum("btf,bsf->bts", wide_d, wide_d, precision=_EXACT)

@@ -39,6 +39,7 @@ from pergrad._src.strategies.protocol import (
     Reduction,
     StrategyChoice,
     WeightsFn,
+    per_leaf_weights,
     weight_groups,
 )
 from pergrad._src.strategies.vmap import vmap_failure
@@ -177,9 +178,7 @@ def _hooked(
         spec.resolved = "hooks"
     if weights_from is None:
         return Reduction(squared, None)
-    weights = weights_from(squared)
-    per_leaf = weights if isinstance(weights, list) else [weights] * len(diff)
-    per_leaf = [bk.stop_gradient(w) for w in per_leaf]
+    per_leaf = [bk.stop_gradient(w) for w in per_leaf_weights(weights_from(squared), len(diff))]
     sums = [leaf * 0 for leaf in diff]
     for start in starts:
         grads = kept.pop() if kept else grads_of(start)
@@ -256,9 +255,7 @@ def _looped(
     squared = [bk.stack(column) for column in zip(*per_example)]
     if weights_from is None:
         return Reduction(squared, None)
-    weights = weights_from(squared)
-    per_leaf = weights if isinstance(weights, list) else [weights] * len(diff)
-    per_leaf = [bk.stop_gradient(w) for w in per_leaf]
+    per_leaf = [bk.stop_gradient(w) for w in per_leaf_weights(weights_from(squared), len(diff))]
     sums = [leaf * 0 for leaf in diff]
     for i in range(batch_size):
         # where, not w[i] * g: a non-finite example has weight 0, and 0 * nan is nan

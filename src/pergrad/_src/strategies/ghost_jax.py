@@ -43,6 +43,7 @@ from pergrad._src.strategies.protocol import (
     Reduction,
     StrategyChoice,
     WeightsFn,
+    per_leaf_weights,
 )
 
 # "auto" takes the ghost strategy only if the parameters it cannot cover would not need more
@@ -142,9 +143,8 @@ def ghost(
         squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
     if weights_from is None:
         return Reduction(squared, None)
-    weights = weights_from(squared)
-    per_leaf = weights if isinstance(weights, list) else [weights] * len(squared)
-    per_leaf = [jax.lax.stop_gradient(w) for w in per_leaf]
+    weights = per_leaf_weights(weights_from(squared), len(squared))
+    per_leaf = [jax.lax.stop_gradient(w) for w in weights]
     sums: list[Any] = [None] * len(squared)
     for k, g in found.grads.items():
         sums[k] = jnp.tensordot(per_leaf[k].astype(g.dtype), _weighted_rows(g, per_leaf[k]), 1)

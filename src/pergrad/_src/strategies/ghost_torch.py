@@ -527,12 +527,14 @@ def capture(
         unshared = {n: m for n, m in modules.items() if n not in sharing}
         _when_complete(unshared, records, _norms_in_hook(early, summaries))
     position = {id(leaf): k for k, leaf in enumerate(diff)}
-    keep = {position[id(params[full])] for names in assigned.values() for full in names.values()}
-    keep |= {position[id(params[weight])] for weight in tables.values()}
     batch = BatchGradient([None] * len(diff), {})
     try:
         with torch.enable_grad():
             if wanted is diff:  # the first run's checks: streamed, never all held at once
+                keep = {
+                    position[id(params[n])] for names in assigned.values() for n in names.values()
+                }
+                keep |= {position[id(params[weight])] for weight in tables.values()}
                 batch = _batch_gradient(run.losses.sum(), diff, keep, retain=False)
             else:
                 torch.autograd.grad(

@@ -15,9 +15,14 @@ from pergrad._src.core.call import Call, Spec
 WeightsFn = Callable[[list[Any]], Any]
 
 
+def per_leaf_weights(weights: Any, num_leaves: int) -> list[Any]:
+    """A ``WeightsFn``'s answer as one ``(B,)`` weight array per leaf (one array: every leaf's)."""
+    return weights if isinstance(weights, list) else [weights] * num_leaves
+
+
 def weight_groups(weights: Any, num_leaves: int) -> list[tuple[Any, list[int]]]:
     """``[(weights, leaf indices)]``: the leaves that share one ``(B,)`` weight array."""
-    per_leaf = weights if isinstance(weights, list) else [weights] * num_leaves
+    per_leaf = per_leaf_weights(weights, num_leaves)
     groups: dict[int, tuple[Any, list[int]]] = {}
     for k, w in enumerate(per_leaf):
         groups.setdefault(id(w), (w, []))[1].append(k)

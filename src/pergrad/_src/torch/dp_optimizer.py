@@ -70,8 +70,8 @@ class DPOptimizer:
     (None: the batch size), writes the result to each parameter's ``.grad`` and steps the
     wrapped optimizer. ``zero_grad()`` is not needed between steps: each step (and each
     :meth:`accumulate`) first drops the trainable parameters' ``.grad``, which it overwrites,
-    so that the last step's are not held through this one. The model keeps its mode, hooks and flags; parameters with
-    ``requires_grad=False`` are left out. An empty batch still takes a step (pure noise), as
+    so that the last step's are not held through this one. The model keeps its mode, hooks
+    and flags; parameters with ``requires_grad=False`` are left out. An empty batch still takes a step (pure noise), as
     the accounting assumes. Pass an :class:`Accountant` to have it count the steps.
 
     **Across processes** (``distributed=True``, after ``torch.distributed.init_process_group``;
