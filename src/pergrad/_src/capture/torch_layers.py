@@ -113,7 +113,7 @@ def outer_product_squared_norms(
 # float64 multiply-add costs about two float32 ones. Measured by benchmarks/gram_precision.py
 # (2-core CPU): the cheaper route picked on every shape there, from T = 16 to 1024 and widths
 # 128 to 3072 (an earlier rule, T^2 (p + q) <= 50 p q, took the Gram route for a ViT MLP at
-# T = 65, 128 x 512, where forming was 1.8x faster).
+# T = 65, 128 x 512, where forming is about 1.4x faster).
 FLOAT64_COST = 2
 # Per-example gradients formed for their norm (where the Gram route is dearer) are formed a few
 # examples at a time, at most this many bytes.
