@@ -641,6 +641,59 @@ def test_empty_batch():
     assert all(float(v.abs().sum()) == 0 for v in clipped.sum.values())
 
 
+FORCED_REDUCE_STRATEGIES = ("ghost", "ghost-lowmem", "chunked", "materialize")
+
+
+@pytest.mark.parametrize("strategy", FORCED_REDUCE_STRATEGIES)
+@pytest.mark.parametrize("name", list(GHOST_ZOO))
+def test_every_forced_strategy_takes_an_empty_batch(name, strategy):
+    """An empty Poisson batch is ordinary DP input: every strategy, named, on every layer
+    family, gives (0,) norms in the parameters' dtype and zero sums shaped like them (this
+    raised a raw IndexError / torch.cat error under ghost, ghost-lowmem and chunked)."""
+    loss, (params, x, y) = make(GHOST_ZOO[name])
+    args = (params, x[:0], y[:0])
+    norms = per_example_norms_of(loss, *args, strategy=strategy)
+    dtype = next(iter(params.values())).dtype
+    assert norms.shape == (0,) and norms.dtype == dtype
+    per_layer = per_example_norms_of(loss, *args, per_layer=True, strategy=strategy)
+    assert set(per_layer) == set(params)
+    assert all(v.shape == (0,) for v in per_layer.values())
+    clipped = clipped_sum_of(loss, *args, max_norm=1.0, strategy=strategy)
+    assert float(clipped.count) == 0 and clipped.norms.shape == (0,)
+    assert set(clipped.sum) == set(params)
+    for key, value in clipped.sum.items():
+        assert value.shape == params[key].shape and value.dtype == params[key].dtype, key
+        assert float(value.abs().sum()) == 0, key
+
+
+@pytest.mark.parametrize("strategy", FORCED_REDUCE_STRATEGIES)
+def test_issue_reproduction_conv1d_empty_batch(strategy):
+    model = nn.Conv1d(4, 5, 3)
+    loss = pergrad.module_loss(model, lambda out: out.sum())
+    x = torch.randn(0, 4, 10)
+    assert per_example_norms_of(loss, loss.params(), x, strategy=strategy).shape == (0,)
+    clipped = clipped_sum_of(loss, loss.params(), x, max_norm=1.0, strategy=strategy)
+    assert clipped.sum["weight"].shape == (5, 4, 3) and float(clipped.sum["weight"].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("strategy", FORCED_REDUCE_STRATEGIES)
+def test_forced_strategy_on_an_empty_batch_still_refuses_what_it_cannot_take(strategy):
+    """The empty batch skips the work, not the assessment: a loss that is not a module_loss
+    is still refused by name under the PyTorch ghost strategies."""
+    model = nn.Linear(3, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x):
+        return torch.func.functional_call(model, p, (x.unsqueeze(0),)).sum()
+
+    args = (params, torch.randn(0, 3))
+    if strategy.startswith("ghost"):
+        with pytest.raises(ValueError, match=f"strategy='{strategy}' cannot handle this call"):
+            per_example_norms_of(loss, *args, strategy=strategy)
+    else:
+        assert per_example_norms_of(loss, *args, strategy=strategy).shape == (0,)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(1, 4),  # B

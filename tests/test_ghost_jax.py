@@ -101,6 +101,29 @@ def test_zoo_matches_materialized(name):
     check_against_materialized(loss, (params, xs, ys))
 
 
+@pytest.mark.parametrize("strategy", ["ghost", "chunked", "materialize"])
+@pytest.mark.parametrize(
+    "name", ["conv2d_stride_pad_groups_dilation", "embedding_int_tokens", "transformer_block"]
+)
+def test_every_forced_strategy_takes_an_empty_batch(name, strategy):
+    """An empty Poisson batch under jit: (0,) norms and zero sums shaped like the parameters."""
+    forward, params, xs = ZOO[name]()
+    ys = targets_for(forward, params, xs, seed=100)
+    loss = mse_loss(forward)
+    empty = jax.tree_util.tree_map(lambda v: v[:0], (xs, ys))
+
+    @jax.jit
+    def run(params, xs, ys):
+        norms = per_example_norms_of(loss, params, xs, ys, strategy=strategy)
+        return norms, clipped_sum_of(loss, params, xs, ys, max_norm=1.0, strategy=strategy)
+
+    norms, clipped = run(params, *empty)
+    assert norms.shape == (0,) and int(clipped.count) == 0
+    for got, leaf in zip(jax.tree_util.tree_leaves(clipped.sum), jax.tree_util.tree_leaves(params)):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype
+        assert float(jnp.abs(got).sum()) == 0
+
+
 def test_what_the_plan_finds_in_a_dense_network():
     forward, params, xs = ZOO["transformer_block"]()
     ys = targets_for(forward, params, xs, seed=1)

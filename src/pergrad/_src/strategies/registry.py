@@ -39,6 +39,7 @@ theirs: a ``module_loss`` (which cannot exist without torch) or a JAX backend.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ def execute(
     if chosen is None:
         chosen, _ = select(task, request, requested)
     strategy = _BY_NAME[task][chosen.strategy]
+    if task == "reduce" and chosen.strategy != "materialize" and request.call.batch_size == 0:
+        # An empty Poisson batch is ordinary input; no strategy has anything to capture.
+        return empty_reduction(request), chosen.strategy
     try:
         out = strategy.run(request, chosen)
     except Unsupported as err:
@@ -154,6 +158,21 @@ def execute(
             )
         return out, name
     raise AssertionError(f"the last {task} strategy of ORDER runs every call")  # pragma: no cover
+
+
+def empty_reduction(request: ReduceRequest) -> Reduction:
+    """A ``"reduce"`` strategy's answer for a batch of no examples: ``(0,)`` squared norms and
+    zero sums, in the dtype and on the device the strategy's would have. The shapes come from
+    :func:`pergrad.per_example_grads` of the empty batch (one example of zeros, run to learn
+    them, then sliced away), so the answer is exactly the materialised one."""
+    call = request.call
+    bk = call.backend
+    grads = bk.flatten(request.materialize())[1]
+    squared = [(g.reshape(0, math.prod(bk.shape(g)[1:])) ** 2).sum(1) for g in grads]
+    if request.weights_from is None:
+        return Reduction(squared, None)
+    request.weights_from(squared)  # the clip weights of no examples: validates as on any batch
+    return Reduction(squared, [g.sum(0) for g in grads])
 
 
 def _fallen_back(verdict: Assessment, failures: list[str]) -> Assessment:
