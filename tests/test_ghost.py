@@ -673,7 +673,9 @@ def test_issue_reproduction_conv1d_empty_batch(strategy):
     x = torch.randn(0, 4, 10)
     assert per_example_norms_of(loss, loss.params(), x, strategy=strategy).shape == (0,)
     clipped = clipped_sum_of(loss, loss.params(), x, max_norm=1.0, strategy=strategy)
-    assert clipped.sum["weight"].shape == (5, 4, 3) and float(clipped.sum["weight"].abs().sum()) == 0
+    assert (
+        clipped.sum["weight"].shape == (5, 4, 3) and float(clipped.sum["weight"].abs().sum()) == 0
+    )
 
 
 @pytest.mark.parametrize("strategy", FORCED_REDUCE_STRATEGIES)
