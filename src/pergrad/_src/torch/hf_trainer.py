@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
+from torch.func import functional_call
 from torch.utils.data import DataLoader, Sampler
 
 from pergrad._src.dp.accounting import Accountant, noise_multiplier_for
@@ -18,6 +19,7 @@ from pergrad._src.dp.clipping import check_positive
 from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.torch.dp_optimizer import DPOptimizer
+from pergrad._src.torch.module_loss import running_statistics_left_alone
 from pergrad._src.torch.sampling import PoissonBatchSampler, collate_with_empty_batches
 
 
@@ -247,7 +249,9 @@ class DPTrainer(transformers.Trainer):
         if not self.report_loss or len(labels) == 0:
             return torch.zeros((), device=self.args.device)
         with torch.no_grad():
-            loss = self.loss_fn(model(**inputs), labels).detach()
+            # the forward pass as the private step runs it: no running statistic written
+            output = functional_call(model, running_statistics_left_alone(model), (), inputs)
+            loss = self.loss_fn(output, labels).detach()
         return loss / self.args.gradient_accumulation_steps  # the Trainer sums micro-batches
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

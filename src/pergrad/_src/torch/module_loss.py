@@ -69,10 +69,33 @@ class ModuleLoss:
         for x in inputs:
             if isinstance(x, Mapping):
                 kwargs.update(x)
+        unwritten = running_statistics_left_alone(self.model)
         if params is None:
-            return self.model(*args, **kwargs)
-        buffers = dict(self.model.named_buffers())
+            if not unwritten:
+                return self.model(*args, **kwargs)
+            return functional_call(self.model, unwritten, tuple(args), kwargs)
+        buffers = {**dict(self.model.named_buffers()), **unwritten}
         return functional_call(self.model, (params, buffers), tuple(args), kwargs)
+
+
+def running_statistics_left_alone(model: nn.Module) -> dict[str, None]:
+    """Buffer name -> None for each running statistic that a layer in training mode would
+    write but does not read: an instance norm with ``track_running_stats=True`` normalises
+    each example by its own statistics in training mode and then folds the batch's into its
+    running ones. Run with these buffers absent, it computes the same output and writes
+    nothing (the promise of :func:`module_loss`), and ``vmap`` batches it."""
+    absent: dict[str, None] = {}
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, nn.modules.instancenorm._InstanceNorm)
+            and module.training
+            and module.track_running_stats
+        ):
+            prefix = f"{name}." if name else ""
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None:
+                    absent[prefix + buffer_name] = None
+    return absent
 
 
 def _is_one_leaf(x: Any) -> bool:
@@ -96,6 +119,11 @@ def module_loss(model: nn.Module, loss_fn: Callable[..., Any], num_inputs: int =
     Args:
       model: any ``nn.Module``. Its buffers (BatchNorm statistics in eval mode) are used as they
         are and never written; BatchNorm in training mode is refused, since it mixes examples.
+        An instance norm with ``track_running_stats=True`` in training mode normalises each
+        example by its own statistics, as it does in training, and its running statistics are
+        left as they are (they are an average over the batch, which per-example quantities
+        do not compute, and under DP a release of the data that no accountant counts): update
+        them outside pergrad if your evaluation reads them.
       loss_fn: a batch loss, ``loss_fn(output, *targets) -> scalar``, e.g.
         ``torch.nn.functional.cross_entropy``. It is called on a batch of one example.
       num_inputs: how many of the per-example arguments go to the model (the rest go to
