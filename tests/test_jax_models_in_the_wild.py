@@ -136,3 +136,46 @@ def test_equinox_batchnorm_state_and_dropout_keys():
         return cross_entropy(logits, y)
 
     check(loss, params, state, keys, xs, ys)
+
+
+def equinox_filter_grads_loop(loss, model, *batched):
+    """``eqx.filter_grad`` one example at a time, stacked: equinox's own convention."""
+    eqx = pytest.importorskip("equinox")
+    rows = [eqx.filter_grad(loss)(model, *(b[i] for b in batched)) for i in range(len(batched[0]))]
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *rows)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_equinox_float_fields_are_constants_as_in_filter_grad(strategy, inference):
+    """Every eqx.nn.MultiheadAttention holds an eqx.nn.Dropout whose p is the Python float
+    0.0, which equinox skips only as a literal: turned into a differentiated array it asked
+    for a key (inference=False), or came back with a gradient filter_grad does not give
+    (inference=True: 5 leaves against 4)."""
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MultiheadAttention(2, 8, key=jax.random.PRNGKey(0), inference=inference)
+    xs = jax.random.normal(jax.random.PRNGKey(1), (B, 4, 8))
+
+    def loss(model, x):
+        return jnp.sum(model(x, x, x) ** 2)
+
+    grads = pergrad.per_example_grads(loss, strategy=strategy)(model, xs)
+    assert grads.dropout.p is None  # a constant, as filter_grad has it
+    assert_trees_close(grads, equinox_filter_grads_loop(loss, model, xs))
+    norms = pergrad.norms.per_example_norms_of(loss, model, xs)
+    assert jnp.allclose(norms, pergrad.norms.per_example_norms(grads), rtol=1e-4)
+    clipped = pergrad.dp.clipped_sum_of(loss, model, xs, max_norm=1.0)
+    assert_trees_close(clipped.sum, pergrad.dp.clipped_sum(grads, 1.0).sum)
+
+
+def test_python_floats_outside_equinox_modules_are_still_differentiated():
+    """A float in a plain dict is a parameter, as jax.grad treats it (documented)."""
+    xs = jax.random.normal(jax.random.PRNGKey(2), (B, D))
+    params = {"w": jnp.ones(D), "scale": 2.0}
+
+    def loss(params, x):
+        return params["scale"] * jnp.sum(jnp.tanh(params["w"] * x))
+
+    grads = pergrad.per_example_grads(loss)(params, xs)
+    assert grads["scale"].shape == (B,)
+    assert_trees_close(grads["scale"], jnp.sum(jnp.tanh(xs), axis=1))

@@ -69,6 +69,11 @@ class Backend(Protocol):
     def as_differentiable(self, x: Any) -> Any:
         """A Python float turned into a 0-d array of the default float dtype."""
 
+    def constant_leaves(self, tree: Any) -> frozenset[int]:
+        """Indices of the leaves of a differentiated ``tree`` that the framework's own
+        convention keeps constant although they are Python floats (elsewhere a float is
+        differentiated, as ``jax.grad`` does)."""
+
     def moveaxis_to_front(self, x: Any, axis: int) -> Any: ...
 
     def value_and_grad(self, fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:

@@ -6,6 +6,7 @@ modules, dataclasses registered with ``jax.tree_util``) work as parameters and a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +65,23 @@ class JaxBackend:
 
     def as_differentiable(self, x: Any) -> Any:
         return jnp.asarray(x, dtype=jnp.result_type(float))
+
+    def constant_leaves(self, tree: Any) -> frozenset[int]:
+        """The Python floats inside equinox modules: ``eqx.filter_grad`` differentiates
+        inexact arrays only, so a float field is configuration (``eqx.nn.Dropout``'s ``p``,
+        which it compares with a literal 0), not a parameter."""
+        equinox = sys.modules.get("equinox")  # no module of it can exist unless imported
+        if equinox is None:
+            return frozenset()
+        constant: set[int] = set()
+        offset = 0
+        is_module = lambda x: isinstance(x, equinox.Module)  # noqa: E731
+        for subtree in jax.tree_util.tree_leaves(tree, is_leaf=is_module):
+            leaves = jax.tree_util.tree_leaves(subtree) if is_module(subtree) else [subtree]
+            if is_module(subtree):
+                constant.update(offset + k for k, x in enumerate(leaves) if isinstance(x, float))
+            offset += len(leaves)
+        return frozenset(constant)
 
     def moveaxis_to_front(self, x: Any, axis: int) -> Any:
         return jnp.moveaxis(x, axis, 0)

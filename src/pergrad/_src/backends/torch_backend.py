@@ -64,6 +64,9 @@ class TorchBackend:
     def as_differentiable(self, x: Any) -> Any:
         return torch.tensor(float(x), dtype=torch.get_default_dtype())
 
+    def constant_leaves(self, tree: Any) -> frozenset[int]:
+        return frozenset()
+
     def moveaxis_to_front(self, x: Any, axis: int) -> Any:
         return torch.movedim(x, axis, 0)
 

@@ -371,18 +371,21 @@ def _analyse(spec: Spec, args: tuple[Any, ...]) -> Call:
             f"one random key per example as a batched argument (e.g. jax.random.split(key, B))."
         )
     treedefs, raw_leaves, leaves, infos = [], [], [], []
+    float_positions: list[tuple[int, int]] = []
     for index, arg in enumerate(args):
         paths, arg_leaves, treedef = bk.flatten(arg)
         treedefs.append(treedef)
         raw_leaves.append(arg_leaves)
         differentiated = index in spec.argnums
         if differentiated:
-            arg_leaves = [bk.as_differentiable(x) if _is_float(x) else x for x in arg_leaves]
+            constant = bk.constant_leaves(arg)
+            floats = {j for j, x in enumerate(arg_leaves) if _is_float(x) and j not in constant}
+            float_positions.extend((index, j) for j in floats)
+            arg_leaves = [
+                bk.as_differentiable(x) if j in floats else x for j, x in enumerate(arg_leaves)
+            ]
         leaves.append(arg_leaves)
         infos.append(_arg_info(spec, bk, index, arg, paths, arg_leaves, differentiated))
-    float_positions = tuple(
-        (i, j) for i in spec.argnums for j, x in enumerate(raw_leaves[i]) if _is_float(x)
-    )
     diff_positions = _differentiable_positions(spec, bk, infos, leaves)
     resolved = _resolve_axes(spec, bk, args, infos)
     batched = [
@@ -396,7 +399,7 @@ def _analyse(spec: Spec, args: tuple[Any, ...]) -> Call:
         tuple(diff_positions),
         tuple((i, j) for i, j, _ in batched),
         tuple((i, j, axis) for i, j, axis in batched if axis != 0),
-        float_positions,
+        tuple(float_positions),
         resolved.batch_size,
     )
     _remember(spec.layouts, _structure_key(bk, treedefs, raw_leaves), layout)
