@@ -8,6 +8,10 @@
                                  F.cross_entropy, max_norm=1.0, noise_multiplier=1.1,
                                  expected_batch_size=256)
 
+The noise is a mechanism (``noise=`` on every DP path and on the accounting): ``gaussian()``,
+independent Gaussian noise at every step, is the default; ``NoiseMechanism`` is the protocol a
+new mechanism implements (its state, its noise, its DP event).
+
 Privacy is accounted through Google's ``dp-accounting`` (the ``dp`` extra): ``epsilon``,
 ``noise_multiplier_for`` and the ``Accountant`` that counts training steps. The accounting
 assumes Poisson sampling: ``poisson_batches`` (numpy indices, with ``pad_batch`` for a fixed
@@ -32,6 +36,7 @@ from typing import Any
 from pergrad._src.core.reductions import clipped_sum_of, private_grad_of
 from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, gaussian
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
 from pergrad._src.dp.secure import SecureRandom
 
@@ -64,7 +69,10 @@ __all__ = [
     "SecureRandom",
     "Accountant",
     "ClippedSum",
+    "GaussianNoise",
+    "NoiseMechanism",
     "epsilon",
+    "gaussian",
     "max_batch_size_for",
     "noise_multiplier_for",
     "pad_batch",

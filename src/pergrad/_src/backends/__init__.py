@@ -123,6 +123,10 @@ class Backend(Protocol):
     def from_numpy(self, x: Any, like: Any) -> Any:
         """``x`` as an array of this framework, on the device of ``like``."""
 
+    def add_scaled(self, x: Any, noise: Any, scale: float, in_place: bool) -> Any:
+        """``x + scale * noise``, rounded as written (``scale * noise``, then the sum); with
+        ``in_place``, into ``x`` and ``noise`` (PyTorch; JAX arrays are not written)."""
+
     def standard_normal(self, rng: Any, like: Any) -> Any:
         """Standard normal noise shaped like ``like``: ``rng`` is a JAX key or a
         ``torch.Generator`` (None: torch's global generator)."""

@@ -189,6 +189,11 @@ class TorchBackend:
         draw = torch.randn(like.shape, generator=rng, dtype=like.dtype, device=device)
         return draw.to(like.device)
 
+    def add_scaled(self, x: Any, noise: Any, scale: float, in_place: bool) -> Any:
+        if in_place:
+            return x.detach().add_(noise.mul_(scale))
+        return x + scale * noise
+
     def split_key(self, rng: Any, num: int) -> Any:
         return [rng] * num  # a torch.Generator (or a SecureRandom) advances by itself
 

@@ -289,7 +289,7 @@ def private_grad_of(
         chunk_size=chunk_size,
         mask=mask,
     )
-    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size), clipped
+    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size)[0], clipped
 
 
 def layer_reductions_of(

@@ -24,6 +24,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -120,6 +121,7 @@ class _Setting:
     sampling: str
     batch_size: int | None
     num_examples: int | None
+    noise: NoiseMechanism
 
     @classmethod
     def validated(
@@ -130,16 +132,20 @@ class _Setting:
         accountant: Any,
         sampling: Any,
         num_examples: Any,
+        noise: Any = None,
     ) -> _Setting:
         sample_rate = check_sample_rate(fn, sample_rate)
         delta = _check_delta(fn, delta)
         _check_choice(fn, "accountant", accountant, ACCOUNTANTS)
         _check_choice(fn, "sampling", sampling, SAMPLINGS)
+        mechanism = check_mechanism(fn, noise)
         if sampling == "poisson":
-            setting = cls(sample_rate, delta, accountant, sampling, None, None)
+            setting = cls(sample_rate, delta, accountant, sampling, None, None, mechanism)
         else:
             num_examples, batch_size = _check_fixed_batch(fn, sample_rate, num_examples)
-            setting = cls(sample_rate, delta, accountant, sampling, batch_size, num_examples)
+            setting = cls(
+                sample_rate, delta, accountant, sampling, batch_size, num_examples, mechanism
+            )
         setting._check_supported(fn)
         return setting
 
@@ -156,16 +162,17 @@ class _Setting:
             return dpa.rdp.RdpAccountant(neighboring_relation=relation)
         return dpa.pld.PLDAccountant(neighboring_relation=relation)
 
-    def event(self, dpa: Any, noise_multiplier: float, steps: int) -> Any:
-        """The DpEvent of ``steps`` DP-SGD steps."""
-        gaussian = dpa.GaussianDpEvent(noise_multiplier)
+    def sampled(self, dpa: Any, release: Any) -> Any:
+        """The DpEvent of one step: ``release`` on a batch drawn by this run's sampling."""
         if self.sampling == "poisson":
-            one_step = dpa.PoissonSampledDpEvent(self.sample_rate, gaussian)
-        else:
-            one_step = dpa.SampledWithoutReplacementDpEvent(
-                self.num_examples, self.batch_size, gaussian
-            )
-        return dpa.SelfComposedDpEvent(one_step, steps)
+            return dpa.PoissonSampledDpEvent(self.sample_rate, release)
+        return dpa.SampledWithoutReplacementDpEvent(self.num_examples, self.batch_size, release)
+
+    def event(self, dpa: Any, noise_multiplier: float, steps: int) -> Any:
+        """The DpEvent of ``steps`` steps of this run's noise mechanism."""
+        return self.noise.dp_event(
+            dpa, noise_multiplier, steps, lambda release: self.sampled(dpa, release)
+        )
 
     def epsilon(self, noise_multiplier: float, steps: int) -> float:
         if steps == 0:
@@ -225,6 +232,7 @@ def epsilon(
     *,
     sampling: str = "poisson",
     num_examples: int | None = None,
+    noise: NoiseMechanism | None = None,
 ) -> float:
     """The epsilon of a DP-SGD run: ``(epsilon, delta)``-DP after ``steps`` noisy steps.
 
@@ -255,6 +263,8 @@ def epsilon(
         the two numbers are not comparable. Only ``"rdp"`` supports ``"fixed"``. Shuffling and
         walking through the data in order is neither, and neither analysis applies to it.
       num_examples: the dataset size; needed for ``sampling="fixed"`` only.
+      noise: the run's noise mechanism, whose DP event is accounted (None:
+        :func:`pergrad.dp.gaussian`, independent Gaussian noise at every step).
 
     Returns:
       epsilon as a float (``math.inf`` when there is no noise).
@@ -266,7 +276,7 @@ def epsilon(
     fn = "epsilon"
     noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
     steps = check_count(fn, "steps", steps, minimum=0)
-    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples)
+    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples, noise)
     return setting.epsilon(noise_multiplier, steps)
 
 
@@ -280,6 +290,7 @@ def noise_multiplier_for(
     sampling: str = "poisson",
     num_examples: int | None = None,
     tolerance: float = 1e-4,
+    noise: NoiseMechanism | None = None,
 ) -> float:
     """The smallest noise multiplier whose run stays within ``(target_epsilon, delta)``.
 
@@ -305,6 +316,7 @@ def noise_multiplier_for(
       sampling: as for :func:`epsilon`.
       num_examples: as for :func:`epsilon`.
       tolerance: absolute tolerance on the returned noise multiplier, ``> 0``.
+      noise: as for :func:`epsilon`.
 
     Returns:
       the noise multiplier, a float.
@@ -321,7 +333,7 @@ def noise_multiplier_for(
             f"{fn}: target_epsilon must be finite and > 0, got {target_epsilon!r}."
         )
     steps = check_count(fn, "steps", steps, minimum=0)
-    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples)
+    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples, noise)
     tolerance = check_real(fn, "tolerance", tolerance)
     if not 0.0 < tolerance < math.inf:
         raise PergradValueError(f"{fn}: tolerance must be finite and > 0, got {tolerance!r}.")
@@ -404,6 +416,8 @@ class Accountant:
         replacement, is analysed for replace-one neighbours and needs ``accountant="rdp"`` and
         ``num_examples``).
       num_examples: as for :func:`epsilon`.
+      noise: as for :func:`epsilon`; a ``DPOptimizer`` or ``DPTrainer`` given this accountant
+        must add the same mechanism's noise.
     """
 
     def __init__(
@@ -415,11 +429,12 @@ class Accountant:
         *,
         sampling: str = "poisson",
         num_examples: int | None = None,
+        noise: NoiseMechanism | None = None,
     ) -> None:
         fn = "Accountant"
         self._noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
         self._setting = _Setting.validated(
-            fn, sample_rate, delta, accountant, sampling, num_examples
+            fn, sample_rate, delta, accountant, sampling, num_examples, noise
         )
         self._steps = 0
         self._cached: tuple[int, float] | None = None
@@ -445,6 +460,11 @@ class Accountant:
         return self._setting.sampling
 
     @property
+    def noise(self) -> NoiseMechanism:
+        """The noise mechanism whose DP event is accounted."""
+        return self._setting.noise
+
+    @property
     def steps(self) -> int:
         """The number of steps recorded so far."""
         return self._steps
@@ -468,4 +488,15 @@ class Accountant:
             f"sample_rate={setting.sample_rate:g}, delta={setting.delta:g}, "
             f"accountant={setting.accountant!r}, sampling={setting.sampling!r}{fixed}, "
             f"steps={self._steps})"
+        )
+
+
+def check_accountant_noise(func_name: str, accountant: Any, noise: NoiseMechanism) -> None:
+    """Refuse an accountant that accounts for another mechanism than the one whose noise is
+    added: its epsilon would not describe the run."""
+    accounted = getattr(accountant, "noise", None)
+    if isinstance(accountant, Accountant) and accounted != noise:
+        raise PergradValueError(
+            f"{func_name}: the accountant accounts for {accounted!r} but noise={noise!r} is "
+            f"added; pass the same mechanism to both (Accountant(..., noise=...))."
         )

@@ -24,6 +24,7 @@ import operator
 from typing import Any, NamedTuple
 
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, add_independent_gaussian
 from pergrad._src.dp.types import ClippedSum
 from pergrad._src.errors import PergradValueError
 from pergrad._src.norms import flat_leaves
@@ -233,13 +234,7 @@ def add_noise(summed: Any, std: float, rng: Any) -> Any:
         :class:`pergrad.dp.SecureRandom` (both frameworks) to draw every value from the
         operating system's cryptographic source.
     """
-    if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
-        raise PergradValueError(f"add_noise: std must be a number >= 0; got {std!r}.")
-    bk = backend_of(summed, "add_noise", "summed")
-    _, leaves, treedef = bk.flatten(summed)
-    keys = bk.split_key(rng, len(leaves))
-    noisy = [leaf + std * bk.standard_normal(key, leaf) for leaf, key in zip(leaves, keys)]
-    return bk.unflatten(treedef, noisy)
+    return add_independent_gaussian(summed, std, rng)
 
 
 def private_mean(
@@ -273,7 +268,7 @@ def private_mean(
     """
     check_private_settings("private_mean", noise_multiplier, expected_batch_size)
     clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name)
-    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size), clipped
+    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size)[0], clipped
 
 
 def check_private_settings(func_name: str, noise_multiplier: Any, expected_batch_size: Any) -> None:
@@ -283,15 +278,23 @@ def check_private_settings(func_name: str, noise_multiplier: Any, expected_batch
 
 
 def noisy_mean(
-    clipped: ClippedSum, noise_multiplier: float, rng: Any, expected_batch_size: float | None
-) -> Any:
-    """The clipped sum plus Gaussian noise of std ``noise_multiplier * sensitivity``, divided by
-    ``expected_batch_size`` (or by the number of real examples when it is None)."""
-    noisy = add_noise(clipped.sum, noise_multiplier * clipped.sensitivity, rng)
+    clipped: ClippedSum,
+    noise_multiplier: float,
+    rng: Any,
+    expected_batch_size: float | None,
+    noise: NoiseMechanism | None = None,
+    noise_state: Any = (),
+) -> tuple[Any, Any]:
+    """``(the clipped sum plus the mechanism's noise of scale noise_multiplier * sensitivity,
+    divided by expected_batch_size (or by the number of real examples when it is None), the
+    mechanism's next state)``; ``noise`` None is independent Gaussian noise."""
+    mechanism = GaussianNoise() if noise is None else noise
+    std = noise_multiplier * clipped.sensitivity
+    noisy, noise_state = mechanism.add(clipped.sum, std, rng, noise_state)
     bk = backend_of(noisy, "private_mean", "grads")
     if expected_batch_size is None:
         denominator = clipped.count.clip(min=1.0)
     else:
         denominator = float(expected_batch_size)
     _, leaves, treedef = bk.flatten(noisy)
-    return bk.unflatten(treedef, [leaf / denominator for leaf in leaves])
+    return bk.unflatten(treedef, [leaf / denominator for leaf in leaves]), noise_state

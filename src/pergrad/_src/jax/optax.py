@@ -8,20 +8,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pergrad._src.dp.clipping import check_noise_multiplier, check_positive, private_mean
+from pergrad._src.dp.clipping import (
+    check_noise_multiplier,
+    check_positive,
+    clipped_sum,
+    noisy_mean,
+)
+from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import PergradTypeError
 from pergrad._src.jax.sharding import check_axis_name
 
 
 class PrivateAggregateState(NamedTuple):
-    """The noise key, and the last step's clipping statistics (for logging): the share of
+    """The noise key, the last step's clipping statistics (for logging): the share of
     real examples clipped, their number, and how many of them had a gradient that was not
-    finite (zeroed, see :func:`optax_aggregate`)."""
+    finite (zeroed, see :func:`optax_aggregate`); and the noise mechanism's state (``()`` for
+    independent Gaussian noise)."""
 
     key: jax.Array
     clip_fraction: jax.Array
     count: jax.Array
     nonfinite: jax.Array
+    noise_state: Any = ()
 
 
 def optax_aggregate(
@@ -30,6 +38,7 @@ def optax_aggregate(
     key: jax.Array | int,
     expected_batch_size: float | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    noise: NoiseMechanism | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The private aggregate of DP-SGD: per-example gradients in, one noisy mean gradient out.
 
@@ -67,6 +76,8 @@ def optax_aggregate(
       key: a JAX PRNG key or an int seed (seed it from ``secrets.randbits(63)`` for real use).
       expected_batch_size: the normaliser, see above (the global batch, on several devices).
       axis_name: for use inside ``jax.shard_map`` only, see above.
+      noise: the noise mechanism (None: :func:`pergrad.dp.gaussian`, independent Gaussian
+        noise at every step); its state is kept in the optax state.
     """
     if isinstance(key, int) and not isinstance(key, bool):
         key = jax.random.key(key)
@@ -80,10 +91,11 @@ def optax_aggregate(
     if isinstance(max_norm, (int, float)):
         check_positive("optax_aggregate", "max_norm", max_norm)
     check_axis_name("optax_aggregate", axis_name)
+    mechanism = check_mechanism("optax_aggregate", noise)
 
     def init(params: Any) -> PrivateAggregateState:
-        del params
-        return PrivateAggregateState(key, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+        zeros = jnp.zeros(())
+        return PrivateAggregateState(key, zeros, zeros, zeros, mechanism.init(params))
 
     def update(
         updates: Any,
@@ -95,11 +107,12 @@ def optax_aggregate(
     ) -> tuple[Any, PrivateAggregateState]:
         del params, extra
         next_key, noise_key = jax.random.split(state.key)
-        mean, stats = private_mean(
-            updates, max_norm, noise_multiplier, noise_key, expected_batch_size, mask, axis_name
+        stats = clipped_sum(updates, max_norm, mask=mask, axis_name=axis_name)
+        mean, noise_state = noisy_mean(
+            stats, noise_multiplier, noise_key, expected_batch_size, mechanism, state.noise_state
         )
         return mean, PrivateAggregateState(
-            next_key, stats.clip_fraction, stats.count, stats.nonfinite
+            next_key, stats.clip_fraction, stats.count, stats.nonfinite, noise_state
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -113,12 +126,13 @@ def dpsgd(
     expected_batch_size: float | None = None,
     momentum: float | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    noise: NoiseMechanism | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DP-SGD as one optax optimizer: :func:`optax_aggregate` then ``optax.sgd``.
 
-    ``axis_name`` is for use inside ``jax.shard_map``, as for :func:`optax_aggregate`.
+    ``axis_name`` and ``noise`` as for :func:`optax_aggregate`.
     """
     return optax.chain(
-        optax_aggregate(max_norm, noise_multiplier, key, expected_batch_size, axis_name),
+        optax_aggregate(max_norm, noise_multiplier, key, expected_batch_size, axis_name, noise),
         optax.sgd(learning_rate, momentum=momentum),
     )

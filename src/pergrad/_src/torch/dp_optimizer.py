@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from pergrad._src.core.reductions import clipped_sum_run
-from pergrad._src.dp.clipping import ClippedSum, add_noise, check_noise_multiplier, check_positive
+from pergrad._src.dp.accounting import check_accountant_noise
+from pergrad._src.dp.clipping import ClippedSum, check_noise_multiplier, check_positive
+from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import (
     NonFiniteWarning,
@@ -148,6 +150,9 @@ class DPOptimizer:
         group) or a ``torch.distributed.ProcessGroup``.
       scaler: a ``torch.amp.GradScaler`` for float16 autocast (None: no loss scaling). Not
         with ``distributed``. ``step`` calls its ``step`` and ``update``; do not call them.
+      noise: the noise mechanism (None: :func:`pergrad.dp.gaussian`, independent Gaussian
+        noise at every step); the optimizer keeps its state from step to step. An
+        ``accountant`` must account for the same mechanism.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class DPOptimizer:
         accountant: Any = None,
         distributed: bool | torch.distributed.ProcessGroup = False,
         scaler: torch.amp.GradScaler | None = None,
+        noise: NoiseMechanism | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PergradTypeError(
@@ -191,6 +197,9 @@ class DPOptimizer:
                 f"{type(generator).__name__}."
             )
         scaler = _check_scaler(scaler, distributed)
+        self.noise = check_mechanism("DPOptimizer", noise)
+        check_accountant_noise("DPOptimizer", accountant, self.noise)
+        self._noise_state: Any = None  # the mechanism's state, made at the first step
         self.scaler = scaler
         self._scaled_loss = None if scaler is None else _ScaledLoss(loss_fn)
         self.optimizer = optimizer
@@ -409,10 +418,17 @@ class DPOptimizer:
         with the noise drawn on rank 0 only."""
         group = self.process_group
         std = self.noise_multiplier * self.max_norm
+        if group is None or is_noise_rank(group):
+            if self._noise_state is None:
+                self._noise_state = self.noise.init(clipped.sum)
+            # in place: the sums are the step's own (a model's worth of numbers per copy)
+            local, self._noise_state = self.noise.add(
+                clipped.sum, std, self.generator, self._noise_state, owned=True
+            )
+        else:
+            local = clipped.sum
         if group is None:
-            noisy = _noised_in_place(clipped.sum, std, self.generator)
-            return StepTotals(noisy, float(clipped.count), float(clipped.clip_fraction))
-        local = add_noise(clipped.sum, std, self.generator) if is_noise_rank(group) else clipped.sum
+            return StepTotals(local, float(clipped.count), float(clipped.clip_fraction))
         return all_reduce_totals(
             local, torch.as_tensor(clipped.count), torch.as_tensor(clipped.clip_fraction), group
         )
@@ -422,30 +438,6 @@ class DPOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
-
-
-def _noised_in_place(
-    summed: dict[str, torch.Tensor], std: float, generator: Any
-) -> dict[str, torch.Tensor]:
-    """``add_noise(summed, std, generator)`` for sums the step owns: the same draws, in the
-    same order, with the same rounding (``std * draw`` rounded, then added), each written into
-    its sum instead of into new tensors: on a large model every copy of P numbers is a
-    noticeable part of the step. A tensor that appears under two names is copied first, so
-    that it gets two draws as ``add_noise`` gives it."""
-    from pergrad._src.backends.torch_backend import TorchBackend
-
-    if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
-        return add_noise(summed, std, generator)  # (its error)
-    backend = TorchBackend()
-    seen: set[int] = set()
-    noisy = {}
-    for name, leaf in summed.items():
-        owned = id(leaf) not in seen
-        seen.add(id(leaf))
-        leaf = leaf.detach() if owned else leaf.detach().clone()
-        draw = backend.standard_normal(generator, leaf)
-        noisy[name] = leaf.add_(draw.mul_(std))
-    return noisy
 
 
 class _ScaledLoss:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from pergrad._src.dp.accounting import Accountant, noise_multiplier_for
 from pergrad._src.dp.clipping import check_positive
+from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.torch.dp_optimizer import DPOptimizer
@@ -126,6 +127,8 @@ class DPTrainer(transformers.Trainer):
       sampling_generator: the Poisson sampling's ``torch.Generator`` (default None: seeded
         from the operating system's secure source); seed it only in tests.
       report_loss: log the training loss (one extra forward pass; see Cost).
+      noise: the noise mechanism, calibrated and accounted (None:
+        :func:`pergrad.dp.gaussian`, independent Gaussian noise at every step).
       **kwargs: the rest of ``transformers.Trainer``'s arguments (``train_dataset``,
         ``eval_dataset``, ``data_collator``, ``callbacks``...).
     """
@@ -146,6 +149,7 @@ class DPTrainer(transformers.Trainer):
         noise_generator: torch.Generator | SecureRandom | None = None,
         sampling_generator: torch.Generator | None = None,
         report_loss: bool = True,
+        noise: NoiseMechanism | None = None,
         **kwargs: Any,
     ) -> None:
         name = "DPTrainer"
@@ -185,9 +189,10 @@ class DPTrainer(transformers.Trainer):
         if args.max_steps is None or args.max_steps <= 0:
             args.max_steps = math.ceil(args.num_train_epochs / sample_rate)
         steps = int(args.max_steps)
+        noise = check_mechanism(name, noise)
         if target_epsilon is not None:
             noise_multiplier = noise_multiplier_for(
-                target_epsilon, delta, sample_rate, steps, accountant
+                target_epsilon, delta, sample_rate, steps, accountant, noise=noise
             )
         args.max_grad_norm = 0.0
         super().__init__(model=model, args=args, **kwargs)
@@ -196,7 +201,7 @@ class DPTrainer(transformers.Trainer):
         self.sample_rate = float(sample_rate)
         self.report_loss = bool(report_loss)
         self.sampling_generator = sampling_generator
-        self.accountant = Accountant(noise_multiplier, sample_rate, delta, accountant)
+        self.accountant = Accountant(noise_multiplier, sample_rate, delta, accountant, noise=noise)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.dp_optimizer = DPOptimizer(
             _NoUpdate(trainable),
@@ -207,6 +212,7 @@ class DPTrainer(transformers.Trainer):
             expected_batch_size=self.sample_rate * n,
             generator=_fresh_generator(args.device) if noise_generator is None else noise_generator,
             accountant=self.accountant,
+            noise=noise,
         )
         self.add_callback(_ReleaseNoisyGradient(self))
 
