@@ -100,6 +100,21 @@ class ConvTwice(nn.Module):
         return self.head(torch.tanh(self.conv(torch.tanh(self.conv(x)))).flatten(1))
 
 
+class TwoViews(nn.Module):
+    """An nn.Bilinear of the two halves of the last axis (any leading axes: positions)."""
+
+    def __init__(self, in1: int, in2: int, out: int, features: int):
+        super().__init__()
+        self.in1 = in1
+        self.bilinear = nn.Bilinear(in1, in2, out)
+        self.head = nn.Linear(features, 3)
+
+    def forward(self, x):
+        return self.head(
+            torch.tanh(self.bilinear(x[..., : self.in1], x[..., self.in1 :])).flatten(1)
+        )
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -245,6 +260,15 @@ GHOST_ZOO = {
         rule="instance_norm",
     ),
     "batch_norm_eval": Case(warmed_batchnorm, floats(2, 6, 6), "sse", rule="batch_norm_eval"),
+    "bilinear": Case(lambda: TwoViews(3, 4, 5, features=5), floats(7), rule="bilinear"),
+    # 2 T (6 + 5 + 5) <= 6 x 5 x 5 up to T = 4: Gram matrices (float64: they cancel, as above)
+    "bilinear_sequence_gram": Case(
+        lambda: TwoViews(5, 5, 6, features=18), floats(3, 10), rule="bilinear", float64=True
+    ),
+    # T = 6 > 4: the per-example gradient of the weight is formed
+    "bilinear_sequence_formed": Case(
+        lambda: TwoViews(5, 5, 6, features=36), floats(6, 10), rule="bilinear"
+    ),
     "mlp": Case(
         lambda: nn.Sequential(
             nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
@@ -320,6 +344,19 @@ def test_ghost_zoo_matches_materialized(name):
     expected = pergrad.dp.clipped_sum(grads, bound)
     assert 0 < float(clipped.clip_fraction) < 1
     assert_clipped_sums_close(clipped, expected, t_numpy)
+
+
+@pytest.mark.parametrize("name", list(GHOST_ZOO))
+def test_hooks_per_example_grads_of_the_ghost_zoo_match_vmap(name):
+    """Each family's ``per_example`` function (the "hooks" strategy of per_example_grads)
+    against torch.func's vmap of the loss of one example."""
+    loss, args = make(GHOST_ZOO[name])
+    with NoFallback():
+        hooked = pergrad.per_example_grads(loss, strategy="hooks")(*args)
+    expected = materialized(loss, args, strategy="vmap")
+    assert set(hooked) == set(expected)
+    for key, value in expected.items():
+        assert_close(t_numpy(hooked[key]), t_numpy(value))
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "materialize"])

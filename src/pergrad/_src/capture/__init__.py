@@ -7,6 +7,8 @@ gradients, and the per-layer rules that reduce those records per example.
   Embedding, norm layers, Hugging Face Conv1D and RMS norms).
 - ``torch_attention.py``: the rule of ``nn.MultiheadAttention`` (its attention recomputed from
   the recorded call; its projections reduced as linear layers).
+- ``torch_rules/``: one file per newer layer family (``bilinear.py``); importing the package
+  registers every rule (the two files above included), so a new family is one file.
 - ``torch_engine.py``: the forward / tensor hooks that record each layer call over one pass,
   and the per-example losses of a ``module_loss`` output.
 - ``torch_generic.py``: layers without a rule, run alone with ``torch.func``.

@@ -5,7 +5,9 @@ A rule turns one layer's captured calls (its inputs and output gradients over on
 norms, per-example gradients, and sums weighted per example. One small function per family
 (``torch_layers.py``), registered under the layer types it handles, as Opacus's
 ``grad_sample`` does; the strategies ask :func:`rule_for`, never ``isinstance``. Adding a
-layer family means writing its functions in ``torch_layers.py`` and decorating them.
+layer family means one file in ``torch_rules/`` whose functions are decorated with
+:func:`register` (``torch_rules/bilinear.py`` is the model), including its ``route`` (how its
+norms are computed, in words, for ``choose_strategy``'s ``norm_routes``).
 
 Reductions are plug-ins: beyond the three every family has, a new per-example quantity (a
 per-layer Kronecker projection of the gradient, for attribution) is taught to a family with
@@ -53,6 +55,9 @@ ReductionFn = Callable[..., dict[str, Any]]
 RecordFn = Callable[[Any, tuple, dict, Any], "Recorded | None"]
 # Whether a layer (of a type no rule is registered for) belongs to a family: (layer) -> bool.
 MatchFn = Callable[[Any], bool]
+# How the family's squared norms are computed for this layer's shape, in words (for
+# choose_strategy's norm_routes): (layer) -> str.
+RouteFn = Callable[[Any], str]
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class LayerRule:
         transformer); the first run of each layout checks the choice (``torch_checks.py``).
       nested: parameters of submodules that the rule reduces, named relative to the layer
         (``("out_proj.weight", "out_proj.bias")``): the submodule is never called as a module.
+      route: ``route(layer) -> str``, how ``squared_norms`` computes this layer's norms, in
+        words (``StrategyChoice.norm_routes``).
       plugins: reductions added with :func:`register_reduction`, by name.
     """
 
@@ -116,6 +123,7 @@ class LayerRule:
     record: RecordFn | None = None
     batch_axes: tuple[int, ...] = (0,)
     nested: tuple[str, ...] = ()
+    route: RouteFn = field(default=lambda layer: "per-example gradients formed", compare=False)
     plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
 
     def reduction(self, name: str) -> ReductionFn | None:
@@ -146,6 +154,7 @@ def register(
     batch_axes: tuple[int, ...] = (0,),
     nested: tuple[str, ...] = (),
     matches: MatchFn | None = None,
+    route: RouteFn | None = None,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
@@ -156,7 +165,8 @@ def register(
     computes what the rule assumes. A rule written without ``weighted_sum`` gets one that
     contracts its ``per_example`` gradients with the weights (fine where those are as small as
     an activation). All three run through :func:`in_reduction_precision`. ``record``,
-    ``batch_axes`` and ``nested``: see :class:`LayerRule`.
+    ``batch_axes``, ``nested`` and ``route`` (default: "per-example gradients formed"): see
+    :class:`LayerRule`.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
@@ -170,6 +180,7 @@ def register(
             record,
             batch_axes,
             nested,
+            **({} if route is None else {"route": route}),
         )
         for layer_type in layer_types:
             _RULES[layer_type] = rule

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad._src.capture.rules import Recorded, register
-from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms
+from pergrad._src.capture.torch_layers import LayerCall, dense_route, outer_product_squared_norms
 from pergrad._src.errors import GhostUnsupported
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
@@ -328,6 +328,9 @@ def is_covered(layer: Any) -> bool:
     matches=is_covered,
     record=_record,
     nested=("out_proj.weight", "out_proj.bias"),
+    route=lambda layer: (
+        "each projection as a dense layer: " + dense_route(layer.embed_dim, layer.embed_dim)
+    ),
 )
 def attention_squared_norms(
     layer: nn.MultiheadAttention, calls: list[LayerCall]

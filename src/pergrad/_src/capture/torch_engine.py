@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pergrad._src.capture import torch_attention  # noqa: F401  (registers its rule)
+from pergrad._src.capture import torch_rules  # noqa: F401  (registers every layer rule)
 from pergrad._src.capture.rules import Recorded, rule_for
 from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.capture.torch_layers import LayerCall

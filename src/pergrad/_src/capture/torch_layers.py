@@ -145,41 +145,6 @@ def dense_route(width_in: int, width_out: int) -> str:
     return f"Gram matrices in float64 for up to {limit} positions per example, else {formed}"
 
 
-_NORM_LAYERS = (
-    "layer_norm",
-    "rms_norm",
-    "hf_rms_norm",
-    "group_norm",
-    "instance_norm",
-    "batch_norm_eval",
-)
-
-
-def norm_route(rule: str, layer: Any) -> str:
-    """How the ghost strategy computes the per-example norms of a layer of rule ``rule``,
-    decided per layer shape (and, for dense layers, per sequence length), for
-    ``choose_strategy``'s ``norm_routes``."""
-    if rule == "linear":
-        return dense_route(layer.in_features, layer.out_features)
-    if rule == "hf_conv1d":
-        return dense_route(*layer.weight.shape)
-    if rule == "multihead_attention":
-        width = layer.embed_dim
-        return "each projection as a dense layer: " + dense_route(width, width)
-    if rule == "conv":
-        width_in, width_out = layer.weight[0].numel(), layer.out_channels // layer.groups
-        return (
-            f"the {width_in} x {width_out} per-example kernel gradient formed; with fewer "
-            f"than {math.isqrt(width_in * width_out - 1) + 1} output positions, the patches "
-            f"as a dense layer: " + dense_route(width_in, width_out)
-        )
-    if rule == "embedding":
-        return "each example's output gradients summed per row it looks up (nothing formed)"
-    if rule in _NORM_LAYERS:
-        return "the per-example scale and shift gradients formed (a few widths per example)"
-    return "per-example gradients formed"
-
-
 def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example for ``a (B, G, T, p)``, ``d (B, G, T,
     q)``, over ``T x T`` blocks of at most :data:`GRAM_BLOCK_BYTES`."""
@@ -254,6 +219,7 @@ TOKENWISE = (0, 1)
     per_example=linear_per_example,
     weighted_sum=linear_weighted_sum,
     batch_axes=TOKENWISE,
+    route=lambda layer: dense_route(layer.in_features, layer.out_features),
 )
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
@@ -290,6 +256,7 @@ def hf_conv1d_weighted_sum(
     per_example=hf_conv1d_per_example,
     weighted_sum=hf_conv1d_weighted_sum,
     batch_axes=TOKENWISE,
+    route=lambda layer: dense_route(*layer.weight.shape),
 )
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
@@ -428,6 +395,15 @@ def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
     return positions * positions < width_in * width_out
 
 
+def _conv_route(layer: Any) -> str:
+    width_in, width_out = layer.weight[0].numel(), layer.out_channels // layer.groups
+    return (
+        f"the {width_in} x {width_out} per-example kernel gradient formed; with fewer "
+        f"than {math.isqrt(width_in * width_out - 1) + 1} output positions, the patches "
+        f"as a dense layer: " + dense_route(width_in, width_out)
+    )
+
+
 @register(
     nn.Conv1d,
     nn.Conv2d,
@@ -437,6 +413,7 @@ def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
     per_example=conv_per_example,
     problem=_conv_problem,
     weighted_sum=conv_weighted_sum,
+    route=lambda layer: _conv_route(layer),
 )
 def conv_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     if _uses_gram(layer, calls):
@@ -499,6 +476,9 @@ def embedding_weighted_sum(
     problem=_embedding_problem,
     weighted_sum=embedding_weighted_sum,
     batch_axes=TOKENWISE,
+    route=lambda layer: (
+        "each example's output gradients summed per row it looks up (nothing formed)"
+    ),
 )
 def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Per example, the output gradients of the positions that look up the same row add up;
@@ -559,7 +539,15 @@ def _register_affine(
     def squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
         return {k: _squared(g) for k, g in per_example(layer, calls).items()}
 
-    register(*layer_types, name=name, per_example=per_example, **options)(squared_norms)
+    register(
+        *layer_types,
+        name=name,
+        per_example=per_example,
+        route=lambda layer: (
+            "the per-example scale and shift gradients formed (a few widths per example)"
+        ),
+        **options,
+    )(squared_norms)
 
 
 def _trailing_norm_dims(layer: nn.Module) -> Any:

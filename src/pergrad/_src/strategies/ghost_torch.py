@@ -95,7 +95,6 @@ from torch import nn
 from pergrad._src.capture import (
     torch_checks,
     torch_generic,
-    torch_layers,
     torch_position_bias,
     torch_tied,
 )
@@ -323,7 +322,8 @@ def _norm_route(model: nn.Module, layer: str, rule: str) -> str:
         return "per-example gradients formed, the unit run alone on each example"
     if rule == POSITION_BIAS:
         return "per-example gradients of the table formed, its bias expanded to the batch"
-    return torch_layers.norm_route(rule, model.get_submodule(layer))
+    module = model.get_submodule(layer)
+    return rule_for(module).route(module)
 
 
 def _formed(layers: dict[str, str]) -> str:
