@@ -93,3 +93,54 @@ def test_no_module_imports_another_modules_private_names():
         if (names := private_names_imported(path))
     }
     assert not offenders, offenders
+
+
+# The packages (and top-level modules) of ``_src`` in layers, lowest first: each may import
+# only from its own layer and the layers below it. The analysed call at the bottom, then the
+# capture engines and the strategies over them, the public entry points, DP and attribution
+# above them, and the framework integrations (optax, torch.distributed, DPOptimizer) on top.
+LAYERS = (
+    ("errors",),
+    ("backends",),
+    ("core", "norms"),
+    ("capture",),
+    ("strategies",),
+    ("api",),
+    ("dp", "outliers"),
+    ("influence",),
+    ("jax", "torch"),
+)
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "_src":
+        return None  # the public modules, above everything
+    package = parts[2]
+    return next(i for i, names in enumerate(LAYERS) if package in names)
+
+
+def test_every_package_of_src_has_a_layer():
+    packages = {name.split(".")[2] for name in modules() if name.startswith("pergrad._src.")}
+    placed = {name for names in LAYERS for name in names}
+    assert packages <= placed, sorted(packages - placed)
+
+
+def test_packages_import_downwards_only():
+    known = modules()
+    upward = []
+    for name, path in known.items():
+        own = layer_of(name)
+        if own is None:
+            continue
+        for target in imports_of(path, known):
+            other = layer_of(target)
+            if other is not None and other > own:
+                upward.append(f"{name} -> {target}")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_layering_check_finds_an_upward_import():
+    assert layer_of("pergrad._src.dp.noise") > layer_of("pergrad._src.backends.secure")
+    assert layer_of("pergrad._src.torch.dp_optimizer") > layer_of("pergrad._src.api.reductions")
+    assert layer_of("pergrad.dp") is None

@@ -85,7 +85,7 @@ class Mixed(nn.Module):
 
 def test_layer_reductions_of_runs_the_plug_in_over_one_captured_pass(projection):
     import pergrad
-    from pergrad._src.core.reductions import layer_reductions_of
+    from pergrad._src.api.reductions import layer_reductions_of
 
     torch.manual_seed(1)
     model = Mixed().double()
@@ -133,7 +133,7 @@ def test_layer_reductions_of_runs_the_plug_in_over_one_captured_pass(projection)
 
 def test_a_loss_the_engine_cannot_capture_comes_back_as_per_example_gradients():
     import pergrad
-    from pergrad._src.core.reductions import layer_reductions_of
+    from pergrad._src.api.reductions import layer_reductions_of
 
     def loss(w, x):  # a plain function, not a module_loss: no layers to hook
         return torch.tanh(x @ w).sum()

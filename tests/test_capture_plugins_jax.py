@@ -12,9 +12,9 @@ import pytest
 jax = pytest.importorskip("jax", reason="the JAX capture engine")
 import jax.numpy as jnp  # noqa: E402
 
+from pergrad._src.api.reductions import layer_reductions_of  # noqa: E402
 from pergrad._src.capture import jax_rules  # noqa: E402
 from pergrad._src.capture.jax_contractions import dense_factors  # noqa: E402
-from pergrad._src.core.reductions import layer_reductions_of  # noqa: E402
 
 BATCH, LENGTH, VOCAB = 3, 4, 11
 NAME = "test_kronecker_projection"

@@ -21,7 +21,7 @@ optax = pytest.importorskip("optax", reason="the private step feeds an optax opt
 import jax.numpy as jnp  # noqa: E402
 
 import pergrad  # noqa: E402
-from pergrad._src.core.reductions import choose_strategy  # noqa: E402
+from pergrad._src.api.reductions import choose_strategy  # noqa: E402
 
 VOCAB, WIDTH, HEADS, LENGTH, BATCH = 13, 16, 2, 6, 5
 # The models are tiny, so XLA's compile time is what these tests wait for: the private step and

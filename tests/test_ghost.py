@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pergrad
-from pergrad._src.core.reductions import choose_strategy, clipped_sum_of, per_example_norms_of
+from pergrad._src.api.reductions import choose_strategy, per_example_norms_of
+from pergrad._src.dp.from_loss import clipped_sum_of
 
 RTOL = 1e-5  # relative to the largest entry of the reference
 

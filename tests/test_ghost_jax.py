@@ -21,12 +21,9 @@ jax = pytest.importorskip("jax", reason="the JAX ghost strategy needs jax instal
 import jax.numpy as jnp  # noqa: E402
 
 import pergrad  # noqa: E402
+from pergrad._src.api.reductions import choose_strategy, per_example_norms_of  # noqa: E402
 from pergrad._src.capture import jax_contractions  # noqa: E402
-from pergrad._src.core.reductions import (  # noqa: E402
-    choose_strategy,
-    clipped_sum_of,
-    per_example_norms_of,
-)
+from pergrad._src.dp.from_loss import clipped_sum_of  # noqa: E402
 from pergrad._src.strategies import ghost_jax as jax_ghost  # noqa: E402
 from test_jax_zoo import ZOO, keys, mse_loss, normal, targets_for  # noqa: E402
 

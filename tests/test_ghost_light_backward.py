@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 
 import pergrad  # noqa: E402
 from _reference import torch_module_loop_grads  # noqa: E402
-from pergrad._src.core.reductions import clipped_sum_of  # noqa: E402
+from pergrad._src.dp.from_loss import clipped_sum_of  # noqa: E402
 
 
 class BiasFree(nn.Module):

@@ -10,7 +10,7 @@ a call needs them, so ``import pergrad`` imports neither JAX nor PyTorch.
 from typing import Any
 
 from pergrad import dp, influence, norms, outliers, testing
-from pergrad._src.core.api import per_example_grads, value_and_per_example_grads
+from pergrad._src.api.grads import per_example_grads, value_and_per_example_grads
 from pergrad._src.errors import FallbackWarning, NonFiniteWarning
 
 __version__ = "0.1.0"
@@ -32,7 +32,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # module_loss needs torch; import it only when it is asked for.
     if name in ("module_loss", "ModuleLoss"):
-        from pergrad._src.torch import module_loss as torch_module
+        from pergrad._src.core import module_loss as torch_module
 
         return getattr(torch_module, name)
     raise AttributeError(f"module 'pergrad' has no attribute {name!r}")

@@ -33,18 +33,18 @@ Data-parallel DP-SGD over ``torch.distributed``: ``DPOptimizer(..., distributed=
 
 from typing import Any
 
-from pergrad._src.core.reductions import clipped_sum_of, private_grad_of
+from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.dp.from_loss import clipped_sum_of, private_grad_of
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, gaussian
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
-from pergrad._src.dp.secure import SecureRandom
 
 _LAZY = {
     "optax_aggregate": "pergrad._src.jax.optax",
     "dpsgd": "pergrad._src.jax.optax",
     "PrivateAggregateState": "pergrad._src.jax.optax",
-    "psum_clipped": "pergrad._src.jax.sharding",
+    "psum_clipped": "pergrad._src.dp.psum",
     "shard_batch": "pergrad._src.jax.sharding",
     "DPOptimizer": "pergrad._src.torch.dp_optimizer",
     "DPStep": "pergrad._src.torch.dp_optimizer",

@@ -23,12 +23,20 @@ equals the single-process one, ties included.
 
 To measure how good a method's scores are, retrain on random half-size subsets
 (:func:`lds_subsets`) and compute the linear datamodeling score, :func:`lds`.
+
+Solvers (``solver=``) and estimators (``top_k``'s ``method=``) are registered classes: a name
+(``"cg"``, ``"dot"``) stands for the class with its default options. A new one subclasses
+:class:`Solver` or :class:`Estimator` with ``name=`` and implements two methods (a solver:
+``prepare`` and ``solve``) or one (an estimator: ``prepare``, or ``scores`` if it needs the
+whole training set at once); every function that takes one then takes it by that name.
 """
 
-from pergrad._src.influence.ihvp import CG, EKFAC, KFAC, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
+from pergrad._src.influence.kfac import EKFAC, KFAC
 from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.projection import project
+from pergrad._src.influence.protocol import Estimator, Solver, Task
 from pergrad._src.influence.scores import (
     grad_cosine,
     grad_dot,
@@ -36,6 +44,7 @@ from pergrad._src.influence.scores import (
     inverse_hvp,
     self_influence,
     tracin,
+    trak,
 )
 from pergrad._src.influence.streaming import (
     TopK,
@@ -44,17 +53,19 @@ from pergrad._src.influence.streaming import (
     top_k,
     top_k_from_scores,
 )
-from pergrad._src.influence.trak import trak
 from pergrad._src.influence.trak_store import TRAK
 
 __all__ = [
     "CG",
     "EKFAC",
+    "Estimator",
     "Exact",
     "InfluenceWarning",
     "KFAC",
     "LiSSA",
+    "Solver",
     "TRAK",
+    "Task",
     "TopK",
     "all_gather_top_k",
     "grad_cosine",

@@ -12,7 +12,7 @@ Each function takes per-example gradients from either framework and returns the 
 arrays (or plain Python numbers for summaries).
 """
 
-from pergrad._src.core.reductions import StrategyChoice, choose_strategy, per_example_norms_of
+from pergrad._src.api.reductions import StrategyChoice, choose_strategy, per_example_norms_of
 from pergrad._src.norms import (
     NoiseScale,
     NormSummary,

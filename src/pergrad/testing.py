@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pergrad._src.api.grads import per_example_grads
 from pergrad._src.backends import Backend, backend_of
-from pergrad._src.core.api import per_example_grads
 from pergrad._src.core.call import map_arrays
 
 __all__ = ["assert_matches_loop", "assert_mean_equals_batch_grad", "assert_sum_equals_batch_grad"]

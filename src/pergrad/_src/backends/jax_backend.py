@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pergrad._src.dp.secure import is_secure
+from pergrad._src.backends.secure import is_secure
 
 
 class JaxBackend:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pergrad._src.dp.secure import is_secure
+from pergrad._src.backends.secure import is_secure
 from pergrad._src.errors import PergradValueError
 
 

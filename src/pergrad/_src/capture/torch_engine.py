@@ -33,8 +33,8 @@ from pergrad._src.capture.rules import Recorded, rule_for
 from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
+from pergrad._src.core.module_loss import ModuleLoss, as_scalar
 from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
-from pergrad._src.torch.module_loss import ModuleLoss, as_scalar
 
 
 def model_and_loss_arguments(

@@ -1,4 +1,3 @@
 """The core: a call analysed once (``call.py``: backend, in_axes, batch size; ``axes.py``:
-in_axes inference), the public entry points for per-example gradients (``api.py``) and for
-per-example norms and clipped sums (``reductions.py``), which hand the analysed call to a
-strategy (``strategies/``)."""
+in_axes inference) and the loss of one example from a PyTorch module (``module_loss.py``):
+what every strategy, capture engine and entry point above receives."""

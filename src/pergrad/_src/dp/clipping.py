@@ -184,7 +184,7 @@ def clipped_sum(
       nothing and is counted in ``nonfinite``; it still counts in ``count``.
     """
     if axis_name is not None:
-        from pergrad._src.jax.sharding import check_axis_name, psum_clipped
+        from pergrad._src.dp.psum import check_axis_name, psum_clipped
 
         check_axis_name("clipped_sum", axis_name)
         local = clipped_sum(grads, max_norm, mask)

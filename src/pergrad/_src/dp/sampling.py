@@ -8,8 +8,8 @@ vary (Binomial(num_examples, sample_rate)) and a batch may be empty. Under ``jax
 batch size means a new compilation; :func:`pad_batch` pads every batch to one size, with a mask
 saying which rows are real, and :func:`max_batch_size_for` picks that size.
 
-For PyTorch, ``PoissonBatchSampler`` (in this module's namespace, loaded with torch on first
-use) plugs into ``torch.utils.data.DataLoader(batch_sampler=...)``.
+For PyTorch, ``PoissonBatchSampler`` (``torch/sampling.py``, ``pergrad.dp.PoissonBatchSampler``)
+plugs into ``torch.utils.data.DataLoader(batch_sampler=...)``.
 """
 
 from __future__ import annotations
@@ -25,18 +25,6 @@ import numpy as np
 # sample_rate and steps mean the same here as in the accounting, and are checked the same way.
 from pergrad._src.dp.accounting import check_count, check_real, check_sample_rate
 from pergrad._src.errors import PergradTypeError, PergradValueError
-
-# The torch-backed names live in torch_sampling.py and are loaded by __getattr__ below, so that
-# importing this module does not import torch.
-_TORCH_NAMES = ("PoissonBatchSampler", "collate_with_empty_batches")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        from pergrad._src.torch import sampling as torch_sampling
-
-        return getattr(torch_sampling, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def poisson_batches(

@@ -1,10 +1,10 @@
 """Inverse-Hessian-vector products: ``(H + damping I)^-1 v`` for many vectors ``v`` at once.
 
 ``H`` is the Hessian of the MEAN loss over a batch, as a function of the flat parameter vector
-(see ``flat_params.py``). Everything is built on the backend's Hessian-vector product and works
+(see ``flat_loss.py``). Everything is built on the backend's Hessian-vector product and works
 on rows: ``k`` vectors are a ``(k, P)`` array, solved together.
 
-Three solvers, each a small frozen dataclass of its options:
+Three solvers (``protocol.py``'s :class:`Solver`), each a small frozen dataclass of its options:
 
 * :class:`Exact`: materialise ``H`` (``P`` Hessian-vector products, in blocks) and factorise
   ``H + damping I`` by Cholesky when it is positive definite well above rounding; otherwise
@@ -16,24 +16,22 @@ Three solvers, each a small frozen dataclass of its options:
 * :class:`LiSSA`: the stochastic Neumann series of Agarwal et al. (2017), as used by Koh &
   Liang (2017). Needs every eigenvalue of ``H + damping I`` in ``(0, 2 * scale)``.
 
-Two more, :class:`KFAC` and :class:`EKFAC`, replace ``H`` by a layer-wise Kronecker-factored
-curvature built from the capture engine's records; their options live here with the others,
-their algorithm in ``kfac.py``.
+``kfac.py`` holds two more, :class:`KFAC` and :class:`EKFAC`, which replace ``H`` by a
+layer-wise Kronecker-factored curvature built from the capture engine's records.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pergrad._src.backends import Backend
-from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.errors import PergradValueError, warn_from_caller
+from pergrad._src.influence.flat_loss import FlatLoss, HessianOperator
+from pergrad._src.influence.protocol import Solver
 
 
 class InfluenceWarning(UserWarning):
@@ -55,7 +53,7 @@ def _require(ok: bool, owner: str, message: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Exact:
+class Exact(Solver, name="exact"):
     """Solve with the materialised Hessian and its eigendecomposition.
 
     Args:
@@ -73,9 +71,26 @@ class Exact:
         ok = _is_int(self.block_size) and self.block_size > 0
         _require(ok, "Exact", "block_size must be a positive int", self.block_size)
 
+    def prepare(
+        self, caller: str, loss: FlatLoss, batch: tuple, count: int
+    ) -> tuple[HessianOperator, Any]:
+        """The operator and the materialised ``P x P`` Hessian (no damping)."""
+        operator = loss.hessian(batch, count, 0.0)
+        return operator, hessian_matrix(operator, self)
+
+    def solve(
+        self, caller: str, prepared: tuple[HessianOperator, Any], rows: Any, dampings: list
+    ) -> list[Any]:
+        """One damping: Cholesky (or the eigendecomposition, if it must); a grid: one
+        eigendecomposition for all."""
+        operator, hessian = prepared
+        if len(dampings) == 1:
+            return [_exact(caller, operator.with_damping(dampings[0]), rows, hessian)]
+        return exact_solutions(caller, operator, rows, hessian, dampings)
+
 
 @dataclass(frozen=True)
-class CG:
+class CG(Solver, name="cg"):
     """Conjugate gradient on ``(H + damping I) x = v``, for every vector at once.
 
     Args:
@@ -101,9 +116,16 @@ class CG:
         ok = _is_int(self.max_iter) and self.max_iter > 0
         _require(ok, "CG", "max_iter must be a positive int", self.max_iter)
 
+    def prepare(self, caller: str, loss: FlatLoss, batch: tuple, count: int) -> HessianOperator:
+        return loss.hessian(batch, count, 0.0)
+
+    def solve(self, caller: str, prepared: HessianOperator, rows: Any, dampings: list) -> list[Any]:
+        """One recursion per damping."""
+        return [_cg(caller, prepared.with_damping(d), rows, self) for d in dampings]
+
 
 @dataclass(frozen=True)
-class LiSSA:
+class LiSSA(Solver, name="lissa"):
     """The LiSSA recursion ``h <- v + (I - (H + damping I) / scale) h``; the answer is
     ``h / scale``.
 
@@ -145,89 +167,12 @@ class LiSSA:
         _require(ok, "LiSSA", "batch_size must be a positive int or None", self.batch_size)
         _require(_is_int(self.seed), "LiSSA", "seed must be an int", self.seed)
 
+    def prepare(self, caller: str, loss: FlatLoss, batch: tuple, count: int) -> HessianOperator:
+        return loss.hessian(batch, count, 0.0)
 
-def _check_dense_limit(owner: str, dense_limit: Any) -> None:
-    ok = _is_int(dense_limit) and dense_limit >= 0
-    _require(ok, owner, "dense_limit must be an int >= 0", dense_limit)
-
-
-@dataclass(frozen=True)
-class KFAC:
-    """Kronecker-factored curvature (K-FAC: Martens & Grosse 2015; convolutions: Grosse &
-    Martens 2016), inverted through two small eigendecompositions per layer.
-
-    Each weight of a dense layer (``nn.Linear``, Hugging Face's ``Conv1D``, a JAX ``x @ W``
-    or ``W @ x``) or convolution (PyTorch ``nn.Conv1d`` / ``nn.Conv2d``, ``groups=1``) gets the
-    block ``A (x) S``, from one pass over the Hessian batch: ``A`` the mean over examples and
-    positions of ``a a^T`` (``a``: the layer's input at a position, a conv patch), ``S`` the
-    mean over examples of ``sum_t g_t g_t^T`` (``g_t``: the gradient of ``fn`` at the layer's
-    output). ``(A (x) S + damping I)^-1`` costs a ``p x p`` and a ``q x q`` eigendecomposition
-    per ``q x p`` weight, shared by every damping of a grid. Every other parameter (biases,
-    norms' scales, embeddings, bare parameters, JAX convolutions) gets a block of its own: the
-    exact one (the mean of ``g g^T`` of its per-example gradients, eigendecomposed) when it has
-    at most ``dense_limit`` numbers, else the diagonal (the mean of ``g^2``). Blocks do not
-    interact: a weight and its bias are two blocks.
-
-    The curvature is the empirical Fisher of the Hessian batch (``g`` from ``fn`` at each
-    example's own labels), see :func:`pergrad.influence.influence_function`.
-
-    Args:
-      dense_limit: the largest parameter (number of entries) that gets an exact block rather
-        than a diagonal when no layer factors it; its block costs ``dense_limit^2`` memory.
-    """
-
-    dense_limit: int = 2048
-
-    def __post_init__(self) -> None:
-        _check_dense_limit("KFAC", self.dense_limit)
-
-
-@dataclass(frozen=True)
-class EKFAC:
-    """Eigenvalue-corrected K-FAC (George et al. 2018), as Kronfluence uses it (Grosse et al.
-    2023): K-FAC's eigenbasis, with each Kronecker eigenvalue replaced by the mean squared
-    per-example gradient in that basis, ``mean_i (Q_S^T G_i Q_A)^2``.
-
-    The corrected eigenvalues are the exact diagonal of the empirical Fisher in K-FAC's
-    eigenbasis, so EK-FAC is never further from it than K-FAC (in Frobenius norm). Cost: one
-    more pass over the Hessian batch than :class:`KFAC`, forming each example's gradient in
-    the rotated basis (``q x p`` per example and layer, ``chunk_size`` examples at a time; for
-    a layer applied at one position, never formed).
-
-    Args:
-      dense_limit: as for :class:`KFAC`.
-    """
-
-    dense_limit: int = 2048
-
-    def __post_init__(self) -> None:
-        _check_dense_limit("EKFAC", self.dense_limit)
-
-
-Solver = Exact | CG | LiSSA | KFAC | EKFAC
-# Solvers that replace the Hessian by a factored curvature (influence/kfac.py), not HVPs.
-CURVATURE_SOLVERS = (KFAC, EKFAC)
-_BY_NAME: dict[str, Callable[[], Solver]] = {
-    "exact": Exact,
-    "cg": CG,
-    "lissa": LiSSA,
-    "kfac": KFAC,
-    "ekfac": EKFAC,
-}
-
-
-def check_solver(func_name: str, solver: Any) -> Solver:
-    """``solver`` as a solver object: a name (default options) or an instance."""
-    if isinstance(solver, (Exact, CG, LiSSA, KFAC, EKFAC)):
-        return solver
-    if isinstance(solver, str) and solver.lower() in _BY_NAME:
-        return _BY_NAME[solver.lower()]()
-    kind = PergradValueError if isinstance(solver, str) else PergradTypeError
-    raise kind(
-        f"{func_name}: solver must be one of {list(_BY_NAME)} or an instance of "
-        f"pergrad.influence.Exact / CG / LiSSA / KFAC / EKFAC (to set its options); got "
-        f"{solver!r}."
-    )
+    def solve(self, caller: str, prepared: HessianOperator, rows: Any, dampings: list) -> list[Any]:
+        """One series per damping (its scale estimated for that damping when None)."""
+        return [_lissa(caller, prepared.with_damping(d), rows, self) for d in dampings]
 
 
 def check_damping(func_name: str, damping: Any) -> float:
@@ -237,88 +182,6 @@ def check_damping(func_name: str, damping: Any) -> float:
             f"diagonal); got {damping!r}."
         )
     return float(damping)
-
-
-@dataclass
-class HessianOperator:
-    """``rows -> rows @ (H + damping I)`` for the mean loss over a batch, ``rows`` ``(k, P)``.
-
-    Attributes:
-      backend: the framework.
-      hvp: the backend's Hessian-vector product of ``mean_loss(vector, batch)``.
-      vector: ``(P,)`` the parameters at which the Hessian is taken.
-      batch: the tuple of batched arguments the mean loss runs over.
-      batch_size: the number of examples in ``batch``.
-      damping: added to the diagonal.
-    """
-
-    backend: Backend
-    hvp: Callable[..., Any]
-    vector: Any
-    batch: tuple[Any, ...]
-    batch_size: int
-    damping: float
-
-    @classmethod
-    def create(
-        cls,
-        bk: Backend,
-        example_loss: Callable[[Any, tuple[Any, ...]], Any],
-        vector: Any,
-        batch: tuple[Any, ...],
-        batch_size: int,
-        damping: float,
-        chunk_size: int | None,
-    ) -> HessianOperator:
-        """``example_loss(vector, example)`` is the loss of one example (a tuple of its
-        arguments) as a function of the flat parameters."""
-        per_example = bk.vmap(example_loss, (None, 0), chunk_size, None)
-
-        def mean_loss(flat: Any, examples: tuple[Any, ...]) -> Any:
-            return per_example(flat, examples).mean()
-
-        return cls(bk, bk.hvp(mean_loss), vector, batch, batch_size, damping)
-
-    @property
-    def size(self) -> int:
-        return self.backend.shape(self.vector)[0]
-
-    def __call__(self, rows: Any, batch: tuple[Any, ...] | None = None) -> Any:
-        product = self.hvp(self.vector, rows, self.batch if batch is None else batch)
-        return product + self.damping * rows if self.damping else product
-
-    def sample(self, rng: np.random.Generator, size: int) -> tuple[Any, ...]:
-        """``size`` examples of the batch drawn without replacement (all, if fewer)."""
-        bk = self.backend
-        chosen = np.sort(rng.choice(self.batch_size, min(size, self.batch_size), replace=False))
-        index = bk.from_numpy(chosen, self.vector)
-        _, leaves, treedef = bk.flatten(self.batch)
-        return bk.unflatten(treedef, [leaf[index] for leaf in leaves])
-
-
-def solve(func_name: str, operator: HessianOperator, rows: Any, solver: Solver) -> Any:
-    """``(k, P)`` rows ``x_j = (H + damping I)^-1 rows[j]``."""
-    if isinstance(solver, Exact):
-        return _exact(func_name, operator, rows, solver)
-    if isinstance(solver, CG):
-        return _cg(func_name, operator, rows, solver)
-    return _lissa(func_name, operator, rows, solver)
-
-
-def solve_grid(
-    func_name: str, operator: HessianOperator, rows: Any, solver: Solver, dampings: list[float]
-) -> list[Any]:
-    """``solve`` for each damping of a grid: the exact solver shares one Hessian and one
-    eigendecomposition; the iterative ones run once per damping."""
-    if len(dampings) == 1:
-        return [solve(func_name, dataclasses.replace(operator, damping=dampings[0]), rows, solver)]
-    if isinstance(solver, Exact):
-        return exact_solutions(
-            func_name, operator, rows, hessian_matrix(operator, solver), dampings
-        )
-    return [
-        solve(func_name, dataclasses.replace(operator, damping=d), rows, solver) for d in dampings
-    ]
 
 
 def check_dampings(func_name: str, damping: Any) -> list[float] | None:
@@ -355,12 +218,11 @@ def hessian_matrix(operator: HessianOperator, solver: Exact) -> Any:
     return (hessian + hessian.T) * 0.5
 
 
-def _exact(func_name: str, operator: HessianOperator, rows: Any, solver: Exact) -> Any:
-    """One damping: a Cholesky factorisation of ``H + damping I`` when it is positive definite
-    well above rounding (about 1/20 of an eigendecomposition's cost); otherwise the
-    eigendecomposition, which diagnoses a singular or indefinite system."""
+def _exact(func_name: str, operator: HessianOperator, rows: Any, hessian: Any) -> Any:
+    """One damping, ``operator.damping``: a Cholesky factorisation of ``H + damping I`` when it
+    is positive definite well above rounding (about 1/20 of an eigendecomposition's cost);
+    otherwise the eigendecomposition, which diagnoses a singular or indefinite system."""
     bk = operator.backend
-    hessian = hessian_matrix(operator, solver)
     system = hessian + operator.damping * bk.eye(operator.size, hessian)
     factor = bk.cholesky(system)
     if factor is not None and _well_above_rounding(bk, system, factor, bk.dtype_name(rows)):
@@ -433,14 +295,13 @@ def _check_spectrum(func_name: str, shifted: np.ndarray, dtype_name: str, dampin
             f"damping={suggested:.2g}."
         )
     if negative.any():
-        warnings.warn(
+        warn_from_caller(
             f"{func_name}: H + damping*I has {int(negative.sum())} negative eigenvalue(s) "
             f"(smallest {shifted.min():.3g}): the parameters are not at a minimum of the "
             f"training loss, where influence functions are derived. Scores use the indefinite "
             f"inverse; pass damping > {damping - shifted.min():.3g} to make it positive "
             f"definite, e.g. damping={suggested:.2g}.",
             InfluenceWarning,
-            stacklevel=5,
         )
 
 
@@ -483,22 +344,20 @@ def _warn_cg(
 ) -> None:
     count = len(active)
     if negative.any():
-        warnings.warn(
+        warn_from_caller(
             f"{func_name}: CG met negative curvature for {int(negative.sum())} of {count} "
             f"vector(s): H + damping*I is not positive definite (the parameters are not at a "
             f"minimum). Their solutions stopped early; pass a larger damping.",
             InfluenceWarning,
-            stacklevel=5,
         )
     if active.any():
         relative = np.sqrt(squared[active]) / (target[active] / solver.tol)
-        warnings.warn(
+        warn_from_caller(
             f"{func_name}: CG did not converge within max_iter={solver.max_iter} iterations "
             f"for {int(active.sum())} of {count} vector(s) (largest relative residual "
             f"{relative.max():.3g}, tol={solver.tol:g}). Pass CG(max_iter=...) larger, a "
             f"looser tol, or damping > 0 (a better-conditioned system converges faster).",
             InfluenceWarning,
-            stacklevel=5,
         )
 
 
@@ -568,10 +427,9 @@ def _warn_lissa(func_name: str, bk: Backend, recent: list[Any], solver: LiSSA) -
     remaining = np.where(last <= rounding * size, 0.0, remaining)
     worst = float((remaining / size).max())
     if worst > 1e-3:
-        warnings.warn(
+        warn_from_caller(
             f"{func_name}: LiSSA has not converged after depth={solver.depth} steps (estimated "
             f"relative error {worst:.2g}). Its error shrinks like (1 - (lambda_min + damping) / "
             f"scale)^depth: pass a larger LiSSA(depth=...), or damping > 0.",
             InfluenceWarning,
-            stacklevel=5,
         )

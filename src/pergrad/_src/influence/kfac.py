@@ -16,6 +16,8 @@ for JAX contractions) over the Hessian batch, ``chunk_size`` examples per captur
   ``dense_limit`` entries) or their ``mean g^2`` (a diagonal).
 
 Every eigendecomposition is taken once, in float64 numpy, and serves every damping of a grid.
+:class:`KFAC` and :class:`EKFAC` are the two solvers (``protocol.py``'s :class:`Solver`) made of
+it: ``prepare`` factors the curvature, ``solve`` applies its inverse.
 """
 
 from __future__ import annotations
@@ -24,18 +26,96 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from pergrad._src.api.reductions import layer_reductions_of
 from pergrad._src.backends import Backend, backend_of
-from pergrad._src.core.reductions import layer_reductions_of
 from pergrad._src.errors import PergradValueError, warn_from_caller
+from pergrad._src.influence.flat_loss import FlatLoss
 from pergrad._src.influence.flat_params import FlatParams
-from pergrad._src.influence.ihvp import EKFAC, KFAC, as_backend_array
+from pergrad._src.influence.ihvp import as_backend_array
+from pergrad._src.influence.protocol import Solver
 
 FACTORS = "pergrad.kfac_factors"
 EIGENVALUES = "pergrad.ekfac_eigenvalues"
+
+
+@dataclass(frozen=True)
+class KroneckerSolver(Solver):
+    """What :class:`KFAC` and :class:`EKFAC` share: ``prepare`` factors the curvature of the
+    Hessian batch (:func:`factorize`), ``solve`` applies its inverse for every damping."""
+
+    dense_limit: int = 2048
+    # EK-FAC: replace the Kronecker eigenvalues by a second pass's (George et al. 2018)
+    corrects_eigenvalues: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.dense_limit, int) and not isinstance(self.dense_limit, bool)
+        if not (ok and self.dense_limit >= 0):
+            raise PergradValueError(
+                f"{type(self).__name__}: dense_limit must be an int >= 0; got {self.dense_limit!r}."
+            )
+
+    def prepare(self, caller: str, loss: FlatLoss, batch: tuple, count: int) -> Curvature:
+        if loss.regularizer is not None:
+            raise PergradValueError(
+                f"{caller}: solver={type(self).__name__} builds its curvature from "
+                f"per-example gradients, so it cannot add a regularizer's Hessian; got "
+                f"regularizer={getattr(loss.regularizer, '__name__', loss.regularizer)!r}. An "
+                f"L2 penalty l2 / 2 * |params|^2 is damping=l2 (add it to your damping); else "
+                f"use solver='cg' or 'exact'."
+            )
+        return factorize(caller, loss.fn, loss.flat, loss.chunks(batch, count), count, self)
+
+    def solve(self, caller: str, prepared: Curvature, rows: Any, dampings: list) -> list[Any]:
+        return prepared.solve(caller, rows, dampings)
+
+
+@dataclass(frozen=True)
+class KFAC(KroneckerSolver, name="kfac"):
+    """Kronecker-factored curvature (K-FAC: Martens & Grosse 2015; convolutions: Grosse &
+    Martens 2016), inverted through two small eigendecompositions per layer.
+
+    Each weight of a dense layer (``nn.Linear``, Hugging Face's ``Conv1D``, a JAX ``x @ W``
+    or ``W @ x``) or convolution (PyTorch ``nn.Conv1d`` / ``nn.Conv2d``, ``groups=1``) gets the
+    block ``A (x) S``, from one pass over the Hessian batch: ``A`` the mean over examples and
+    positions of ``a a^T`` (``a``: the layer's input at a position, a conv patch), ``S`` the
+    mean over examples of ``sum_t g_t g_t^T`` (``g_t``: the gradient of ``fn`` at the layer's
+    output). ``(A (x) S + damping I)^-1`` costs a ``p x p`` and a ``q x q`` eigendecomposition
+    per ``q x p`` weight, shared by every damping of a grid. Every other parameter (biases,
+    norms' scales, embeddings, bare parameters, JAX convolutions) gets a block of its own: the
+    exact one (the mean of ``g g^T`` of its per-example gradients, eigendecomposed) when it has
+    at most ``dense_limit`` numbers, else the diagonal (the mean of ``g^2``). Blocks do not
+    interact: a weight and its bias are two blocks.
+
+    The curvature is the empirical Fisher of the Hessian batch (``g`` from ``fn`` at each
+    example's own labels), see :func:`pergrad.influence.influence_function`.
+
+    Args:
+      dense_limit: the largest parameter (number of entries) that gets an exact block rather
+        than a diagonal when no layer factors it; its block costs ``dense_limit^2`` memory.
+    """
+
+
+@dataclass(frozen=True)
+class EKFAC(KroneckerSolver, name="ekfac"):
+    """Eigenvalue-corrected K-FAC (George et al. 2018), as Kronfluence uses it (Grosse et al.
+    2023): K-FAC's eigenbasis, with each Kronecker eigenvalue replaced by the mean squared
+    per-example gradient in that basis, ``mean_i (Q_S^T G_i Q_A)^2``.
+
+    The corrected eigenvalues are the exact diagonal of the empirical Fisher in K-FAC's
+    eigenbasis, so EK-FAC is never further from it than K-FAC (in Frobenius norm). Cost: one
+    more pass over the Hessian batch than :class:`KFAC`, forming each example's gradient in
+    the rotated basis (``q x p`` per example and layer, ``chunk_size`` examples at a time; for
+    a layer applied at one position, never formed).
+
+    Args:
+      dense_limit: as for :class:`KFAC`.
+    """
+
+    corrects_eigenvalues: ClassVar[bool] = True
 
 
 @dataclass
@@ -228,7 +308,7 @@ def factorize(
     flat: FlatParams,
     chunks: Sequence[tuple[Any, ...]],
     count: int,
-    solver: KFAC | EKFAC,
+    solver: KroneckerSolver,
 ) -> Curvature:
     """The K-FAC / EK-FAC curvature of ``fn`` over ``chunks`` (the Hessian batch, ``count``
     examples, split into captured passes), at the parameters ``flat``."""
@@ -246,7 +326,7 @@ def factorize(
         for record in sums.records.values()
     }
     corrected: dict[int, np.ndarray] = {}
-    if isinstance(solver, EKFAC) and sums.records:
+    if solver.corrects_eigenvalues and sums.records:
         arguments = ({key: (a[1], s[1]) for key, (a, s) in bases.items()},)
         for chunk in chunks:
             results = layer_reductions_of(

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from pergrad._src.api.reductions import layer_reductions_of
 from pergrad._src.backends import backend_of
-from pergrad._src.core.reductions import layer_reductions_of
 from pergrad._src.errors import PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
 from pergrad._src.influence.projection import MAX_MATRIX_NUMBERS, SeededProjection
@@ -82,7 +82,7 @@ def module_positions(fn: Any) -> tuple[dict[Any, int] | None, frozenset[Any]]:
     if "torch" not in sys.modules:
         return None, frozenset()
     from pergrad._src.capture.rules import rule_for
-    from pergrad._src.torch.module_loss import ModuleLoss
+    from pergrad._src.core.module_loss import ModuleLoss
 
     if not isinstance(fn, ModuleLoss):
         return None, frozenset()

@@ -71,6 +71,15 @@ def lds(scores: Any, subsets: Any, outputs: Any, per_target: bool = False) -> An
         masks = pergrad.influence.lds_subsets(len(X_train), 64, seed=0)
         outputs = np.stack([margins(train(X_train[m], Y_train[m]), X_test) for m in masks])
         pergrad.influence.lds(scores, masks, outputs)   # ~0.8 for a good method on a small net
+
+    Comparing estimators (:class:`pergrad.influence.Estimator`, built-in or your own) on the
+    same retrainings::
+
+        task = pergrad.influence.Task(loss, params)
+        for name in ("dot", "cosine", "mine"):
+            estimator = pergrad.influence.Estimator.registry[name]()
+            scores = estimator.scores(task, (X_train, Y_train), (X_test, Y_test))
+            print(name, pergrad.influence.lds(scores, masks, outputs))
     """
     stats = _scipy_stats()
     scores = _as_matrix("scores", scores)

@@ -21,10 +21,12 @@ import numpy as np
 
 from pergrad._src.backends import backend_of
 from pergrad._src.errors import PergradTypeError, PergradValueError
-from pergrad._src.influence.ihvp import check_damping, check_solver, solve
-from pergrad._src.influence.scores import FlatLoss, check_batch, check_same_arity
+from pergrad._src.influence.flat_loss import check_batch, check_same_arity
+from pergrad._src.influence.influence_function import InfluenceFunction
+from pergrad._src.influence.protocol import Estimator, Task, estimator_from
 
-_METHODS = ("influence", "dot", "cosine")
+# top_k's options of the "influence" method, with their defaults.
+_INFLUENCE_OPTIONS = {"regularizer": None, "hessian_batch": None, "damping": 0.0, "solver": "cg"}
 
 
 class TopK(NamedTuple):
@@ -55,7 +57,7 @@ def top_k(
     train_batches: Iterable[Sequence[Any]],
     test_batch: Sequence[Any],
     k: int = 10,
-    method: str = "influence",
+    method: str | Estimator = "influence",
     *,
     target_fn: Callable[..., Any] | None = None,
     regularizer: Callable[[Any], Any] | None = None,
@@ -77,14 +79,17 @@ def top_k(
       k: how many proponents and opponents to keep per test example (``> 0``).
       method: ``"influence"`` (scores of :func:`influence_function`; needs ``hessian_batch``,
         a batch that stands for the training set's Hessian), ``"dot"`` or ``"cosine"`` of the
-        gradients.
+        gradients, ``"tracin"`` (``params`` then a list of checkpoints, learning rate 1), or
+        the name or an instance of any :class:`pergrad.influence.Estimator` that scores a
+        training set batch by batch (it implements ``prepare``), which carries its own
+        options.
       target_fn: the function of one test example whose gradient is scored; default ``fn``
         (as for :func:`influence_function`).
-      regularizer: for ``"influence"``, as for :func:`influence_function`.
-      hessian_batch: for ``"influence"``, as for :func:`influence_function`.
-      damping: for ``"influence"``, as for :func:`influence_function`.
-      solver: for ``"influence"``, as for :func:`influence_function` (the test side is solved
-        once).
+      regularizer: for ``"influence"`` by name, as for :func:`influence_function`.
+      hessian_batch: for ``"influence"`` by name, as for :func:`influence_function`.
+      damping: for ``"influence"`` by name, as for :func:`influence_function`.
+      solver: for ``"influence"`` by name, as for :func:`influence_function` (the test side is
+        solved once; any solver, K-FAC included).
       chunk_size: per-example gradients of this many examples at a time within a batch.
       progress: show a tqdm progress bar (default: when tqdm is installed).
       offset: the global index of the first streamed example, for a shard of a larger
@@ -104,19 +109,24 @@ def top_k(
     name = "top_k"
     _check_k(name, k)
     _check_offset(name, offset)
-    if method not in _METHODS:
-        raise PergradValueError(f"{name}: method must be one of {list(_METHODS)}; got {method!r}.")
-    loss = FlatLoss.create(name, fn, params, chunk_size, regularizer=regularizer)
-    test, _ = check_batch(name, "test_batch", loss.backend, test_batch)
-    rows = _test_rows(name, loss, target_fn, test, method, hessian_batch, damping, solver)
+    influence_options = {
+        "regularizer": regularizer,
+        "hessian_batch": hessian_batch,
+        "damping": damping,
+        "solver": solver,
+    }
+    estimator = _streaming_estimator(name, method, influence_options)
+    task = Task(fn, params, target_fn, chunk_size, caller=name)
+    score = estimator.prepare(task, test_batch)
+    bk = task.backend()
     best = _Running(k, largest=True)
     worst = _Running(k, largest=False)
     seen = 0
     for batch in with_progress(train_batches, progress, name, "scoring training batches"):
-        batch, count = check_batch(name, "each training batch", loss.backend, batch)
+        batch, count = check_batch(name, "each training batch", bk, batch)
         if target_fn is None:
-            check_same_arity(name, batch, "a training batch", test, "test_batch")
-        scores = loss.backend.to_numpy(_scores(loss, batch, count, rows, method))
+            check_same_arity(name, batch, "a training batch", tuple(test_batch), "test_batch")
+        scores = bk.to_numpy(score(batch, count))
         best.update(scores, offset + seen)
         worst.update(scores, offset + seen)
         seen += count
@@ -125,28 +135,34 @@ def top_k(
     return TopK(*best.result(), *worst.result(), num_train=seen, k=k)
 
 
-def _test_rows(name, loss, target_fn, test, method, hessian_batch, damping, solver) -> Any:
-    grads = loss.target(target_fn).grads(test)
-    if method == "cosine":
-        return grads / ((grads**2).sum(1, keepdims=True) ** 0.5 + 1e-12)
-    if method == "dot":
-        return grads
-    if hessian_batch is None:
-        raise PergradValueError(
-            f"{name}: method='influence' needs hessian_batch, a batch of training examples "
-            f"whose mean loss stands for the training set's Hessian (the stream is read once)."
-        )
-    batch, count = check_batch(name, "hessian_batch", loss.backend, hessian_batch)
-    operator = loss.hessian(batch, count, check_damping(name, damping))
-    return solve(name, operator, grads, check_solver(name, solver))
+def _streaming_estimator(name: str, method: Any, influence_options: dict[str, Any]) -> Estimator:
+    """``method`` as an estimator that streams: ``"influence"`` made from top_k's options, any
+    other name with its defaults, an instance as it is (top_k's options of ``"influence"``
+    left at their defaults: the instance carries its own)."""
+    if isinstance(method, str) and method.lower() == "influence":
+        return InfluenceFunction(**influence_options)
+    if isinstance(method, Estimator):
+        given = [
+            f"{key}="
+            for key, value in influence_options.items()
+            if not _is_default(value, _INFLUENCE_OPTIONS[key])
+        ]
+        if given:
+            raise PergradValueError(
+                f"{name}: {', '.join(given)} {'sets' if len(given) == 1 else 'set'} the "
+                f"options of method='influence' by name; method={type(method).__name__}(...) "
+                f"is an estimator object, which carries its own options: pass them to it, not "
+                f"to top_k."
+            )
+    return estimator_from(name, method, streaming=True)
 
 
-def _scores(loss: FlatLoss, batch: tuple, count: int, rows: Any, method: str) -> Any:
-    if method != "cosine":
-        return loss.grads_dot(batch, count, rows)
-    grads = loss.grads(batch)
-    norms = (grads**2).sum(1, keepdims=True) ** 0.5 + 1e-12
-    return (grads / norms) @ rows.T
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if isinstance(default, float):  # damping: 0 is 0.0
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+    return isinstance(value, str) and value == default
 
 
 class _Running:

@@ -14,7 +14,8 @@ For each model ``m`` of an ensemble (independently trained, or checkpoints of on
 The scores are ``mean_m(s_m) * mean_m(Q_m)`` per training example, as ``traker`` computes
 them. Positive: the training example raises the target's output (helps it).
 
-:func:`trak` does it all in memory in one call. The pieces it is made of (:class:`TrakOptions`,
+:class:`Trak`, the estimator (``protocol.py``) behind :func:`pergrad.influence.trak`, does it
+all in memory in one call. The pieces it is made of (:class:`TrakOptions`,
 :class:`ModelFeaturizer`, :func:`eigh_psd` / :func:`solve_eigh`) are shared with
 ``trak_store.py``, which streams the training features to disk and scores new targets later.
 """
@@ -29,110 +30,67 @@ from typing import Any
 import numpy as np
 
 from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.influence.flat_loss import FlatLoss, check_batch, check_fn, slice_batch
 from pergrad._src.influence.ihvp import as_backend_array
 from pergrad._src.influence.kronecker import FactoredProjection
 from pergrad._src.influence.projection import KINDS, MAX_MATRIX_NUMBERS, SeededProjection
-from pergrad._src.influence.scores import FlatLoss, check_batch, check_fn, slice_batch
+from pergrad._src.influence.protocol import Estimator, Task
 
 # Examples whose (n, P) per-example gradients are formed at once, by default: n * P <= this.
 DEFAULT_CHUNK_NUMBERS = 2**25
 PROJECTIONS = ("dense", "factored")
 
 
-def trak(
-    fn: Callable[..., Any],
-    checkpoints: Sequence[Any],
-    train_batch: Sequence[Any],
-    target_batch: Sequence[Any],
-    *,
-    weight_fn: Callable[..., Any] | None = None,
-    target_fn: Callable[..., Any] | None = None,
-    proj_dim: int = 2048,
-    damping: float = 0.0,
-    seed: int = 0,
-    kind: str = "rademacher",
-    projection: str = "dense",
-    factored_dims: tuple[int, int] = (16, 16),
-    chunk_size: int | None = None,
-) -> Any:
-    """TRAK attribution scores of each training example for each target.
+@dataclass(frozen=True, eq=False)
+class Trak(Estimator, name="trak"):
+    """TRAK over the ensemble of ``task.params`` (a list of parameter pytrees); ``task.fn`` is
+    the model OUTPUT of one example. The options are :func:`pergrad.influence.trak`'s.
 
-    Args:
-      fn: the model OUTPUT of one example, ``fn(params, *example) -> scalar``: for
-        classification the margin ``logits[y] - logsumexp(logits without y)``.
-      checkpoints: a non-empty list of parameter pytrees, one per model of the ensemble
-        (independently trained models work best; checkpoints of one run are cheaper).
-      train_batch: tuple of ``fn``'s batched arguments for the training examples.
-      target_batch: the same for the targets (or ``target_fn``'s, if given).
-      weight_fn: ``weight_fn(params, *example) -> scalar`` ``Q``, how much the example's loss
-        moves with its output; for the cross-entropy and the margin, ``1 - p_y`` (the softmax
-        probability of the true class). Default: 1 for every example.
-      target_fn: the output of one target, if not ``fn``.
-      proj_dim: ``k``, the projected dimension (TRAK uses 2048 to 20480).
-      damping: ``>= 0``, added to ``Phi^T Phi``; 0 uses the pseudo-inverse where
-        ``Phi^T Phi`` is singular (fewer examples than ``k``). ``traker``'s ``lambda_reg`` is
-        on another scale: its features are divided by ``sqrt(P)`` (``P`` parameters) and
-        projected with unit-variance entries, where pergrad's entries have variance ``1/k``,
-        so a damping ``d`` here is ``lambda_reg = d * k / P`` there. A list of
-        them (a grid to tune on) returns ``(len(damping), n_train, n_targets)`` scores from
-        the same features and one eigendecomposition per model.
-      seed: model ``m`` projects with seed ``seed + m`` (:func:`project`'s matrix, the same on
-        both frameworks).
-      kind: ``"rademacher"`` (default, as ``traker``'s fast_jl projector on a GPU) or
-        ``"gaussian"`` (as ``traker``'s projector on a CPU) entries.
-      projection: ``"dense"`` (default: the per-example gradient formed, then projected to
-        ``proj_dim``) or ``"factored"`` (:func:`project_factored`: each dense layer's
-        ``k_in x k_out`` block from its input and output gradient, never forming its gradient,
-        ``factored_dims = (k_in, k_out)``; the other parameters projected to ``proj_dim``
-        together). In PyTorch ``"factored"`` needs ``fn`` made by :func:`pergrad.module_loss`.
-      chunk_size: per-example gradients of this many examples at a time (default: as many as
-        keep ``chunk_size x P`` under 2**25 numbers).
-
-    Returns:
-      ``(n_train, n_targets)`` scores, an array of the parameters' framework (for a list of
-      dampings, one such matrix per damping, stacked).
-
-    Example (classification)::
-
-        def margin(params, x, y):
-            logits = model(params, x)
-            return logits[y] - jax.nn.logsumexp(jnp.where(jnp.arange(10) == y, -jnp.inf, logits))
-
-        def weight(params, x, y):
-            return 1 - jax.nn.softmax(model(params, x))[y]
-
-        scores = pergrad.influence.trak(margin, [params_1, params_2, ...], (X_train, Y_train),
-                                        (X_test, Y_test), weight_fn=weight)
-
-    Cost per model: per-example gradients of both sides, ``n x P x k`` for the projection, and
-    a ``min(n_train, k)``-sized symmetric solve (in float64, on the host). For a training set
-    that does not fit in memory, or targets that come later, see :class:`TRAK`.
+    Its kernel needs every training example's features before any score, so it implements
+    ``scores`` and not ``prepare``: :func:`pergrad.influence.top_k` refuses it; the store
+    :class:`pergrad.influence.TRAK` featurises a stream once and ranks targets against it.
     """
-    name = "trak"
-    check_checkpoints(name, checkpoints)
-    grid = check_dampings(name, damping)
-    options = TrakOptions(proj_dim, seed, kind, projection, factored_dims)
-    options.check(name)
-    if weight_fn is not None:
-        check_fn(name, weight_fn, "weight_fn")
-    total_scores, total_weights = None, None
-    for index, params in enumerate(checkpoints):
-        model = ModelFeaturizer(name, fn, params, index, options, chunk_size)
-        model.output.target(target_fn)  # validates target_fn before any work
-        train, n_train = check_batch(name, "train_batch", model.backend, train_batch)
-        targets, n_targets = check_batch(name, "target_batch", model.backend, target_batch)
-        phi = model.features(train, n_train)
-        phi_target = model.features(targets, n_targets, target_fn)
-        scores = _kernel_scores(model.backend, phi, phi_target, grid)
-        if weight_fn is not None:
-            weights = model.weights(weight_fn, train, n_train)
-            total_weights = weights if total_weights is None else total_weights + weights
-        total_scores = scores if total_scores is None else total_scores + scores
-    count = len(checkpoints)
-    result = total_scores / count
-    if total_weights is not None:
-        result = result * (total_weights / count)[None, :, None]
-    return result if isinstance(damping, (list, tuple)) else result[0]
+
+    weight_fn: Callable[..., Any] | None = None
+    proj_dim: int = 2048
+    damping: float | Sequence[float] = 0.0
+    seed: int = 0
+    kind: str = "rademacher"
+    projection: str = "dense"
+    factored_dims: tuple[int, int] = (16, 16)
+
+    @property
+    def options(self) -> TrakOptions:
+        return TrakOptions(self.proj_dim, self.seed, self.kind, self.projection, self.factored_dims)
+
+    def scores(self, task: Task, train_batch: Any, test_batch: Any) -> Any:
+        """``mean_m(s_m) * mean_m(Q_m)``, one model at a time (its projection matrix and
+        features held while it is scored)."""
+        name = task.caller
+        check_checkpoints(name, task.params, task.params_name)
+        grid = check_dampings(name, self.damping)
+        options = self.options
+        options.check(name)
+        if self.weight_fn is not None:
+            check_fn(name, self.weight_fn, "weight_fn")
+        total_scores, total_weights = None, None
+        for index, params in enumerate(task.params):
+            model = ModelFeaturizer(name, task.fn, params, index, options, task.chunk_size)
+            model.output.target(task.target_fn)  # validates target_fn before any work
+            train, n_train = check_batch(name, "train_batch", model.backend, train_batch)
+            targets, n_targets = check_batch(name, "target_batch", model.backend, test_batch)
+            phi = model.features(train, n_train)
+            phi_target = model.features(targets, n_targets, task.target_fn)
+            scores = _kernel_scores(model.backend, phi, phi_target, grid)
+            if self.weight_fn is not None:
+                weights = model.weights(self.weight_fn, train, n_train)
+                total_weights = weights if total_weights is None else total_weights + weights
+            total_scores = scores if total_scores is None else total_scores + scores
+        count = len(task.params)
+        result = total_scores / count
+        if total_weights is not None:
+            result = result * (total_weights / count)[None, :, None]
+        return result if isinstance(self.damping, (list, tuple)) else result[0]
 
 
 @dataclass(frozen=True)
@@ -293,10 +251,10 @@ def solve_eigh(
     return np.stack(solutions)
 
 
-def check_checkpoints(name: str, checkpoints: Any) -> None:
+def check_checkpoints(name: str, checkpoints: Any, arg_name: str = "checkpoints") -> None:
     if not isinstance(checkpoints, (list, tuple)) or not checkpoints:
         raise PergradTypeError(
-            f"{name}: checkpoints must be a non-empty list of parameter pytrees (one per model of "
+            f"{name}: {arg_name} must be a non-empty list of parameter pytrees (one per model of "
             f"the ensemble); got {type(checkpoints).__name__}"
             f"{' of length 0' if isinstance(checkpoints, (list, tuple)) else ''}."
         )

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.influence.flat_loss import check_batch, check_fn, slice_batch
 from pergrad._src.influence.ihvp import as_backend_array
-from pergrad._src.influence.scores import check_batch, check_fn, slice_batch
 from pergrad._src.influence.streaming import TopK, merge_top_k, top_k_from_scores, with_progress
 from pergrad._src.influence.trak import (
     MAX_MATRIX_NUMBERS,

@@ -15,8 +15,8 @@ from pergrad._src.dp.clipping import (
     noisy_mean,
 )
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
+from pergrad._src.dp.psum import check_axis_name
 from pergrad._src.errors import PergradTypeError
-from pergrad._src.jax.sharding import check_axis_name
 
 
 class PrivateAggregateState(NamedTuple):

@@ -19,7 +19,7 @@ Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,
 - ``chunked.py`` (``"chunked"``, both frameworks): per-example gradients a chunk at a time,
   reduced at once; the clipped sum as one weighted batch gradient.
 - ``materialize.py`` (``"materialize"``): :func:`pergrad.per_example_grads`, which the entry
-  points of ``core/reductions.py`` reduce.
+  points of ``api/reductions.py`` reduce.
 
 Every strategy module has an ``assess`` and a ``run`` and receives the analysed call
 (``core/call.py``: ``Spec``, ``Call``, ``single_example_fn``). ``registry.py`` holds them in one
@@ -28,6 +28,6 @@ for a call that can be theirs): each one's ``assess`` (can it
 take this call, before running anything, and why not) and ``run`` (which raises
 ``Unsupported`` on finding out only while running), the order ``strategy="auto"`` tries them
 in, and the one fallback discipline of every task. ``protocol.py`` holds the types they share
-(``Assessment``, ``StrategyChoice``, ``Reduction``, the requests). ``core/api.py`` and ``core/reductions.py``
+(``Assessment``, ``StrategyChoice``, ``Reduction``, the requests). ``api/grads.py`` and ``api/reductions.py``
 only build a request and call the registry.
 """

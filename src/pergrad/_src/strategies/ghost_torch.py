@@ -114,6 +114,7 @@ from pergrad._src.capture.torch_engine import (
 )
 from pergrad._src.capture.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.core.call import Call, Spec, single_example_fn
+from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
 from pergrad._src.errors import GhostUnsupported, is_pergrad_error
 from pergrad._src.strategies.protocol import (
     Assessment,
@@ -124,7 +125,6 @@ from pergrad._src.strategies.protocol import (
     WeightsFn,
     weight_groups,
 )
-from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The rule name of a layer without a rule, handled by torch_generic.py.
 GENERIC = "generic"

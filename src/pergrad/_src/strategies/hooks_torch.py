@@ -56,10 +56,10 @@ from pergrad._src.capture.torch_engine import (
     per_example_losses,
 )
 from pergrad._src.core.call import Call, Spec
+from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
 from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
 from pergrad._src.strategies.protocol import Assessment, GradsRequest, Unsupported
 from pergrad._src.strategies.vmap import vmap_failure
-from pergrad._src.torch.module_loss import ModuleLoss, refuse_batch_mixing_layers
 
 # The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
 # the summation's rounding (sum_i |g_i| <= sqrt(B sum_i |g_i|^2)) times a few ulps.

@@ -1,6 +1,6 @@
 """The ``"materialize"`` strategy of norms and clipped sums: :func:`pergrad.per_example_grads`,
 then ``pergrad.norms.per_example_norms`` / ``pergrad.dp.clipped_sum`` on them (the entry points
-in ``core/reductions.py`` reduce what :func:`run` returns)."""
+in ``api/reductions.py`` reduce what :func:`run` returns)."""
 
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ class Assessment:
 
 @dataclass
 class GradsRequest:
-    """A call of :func:`pergrad.per_example_grads`, analysed (``core/api.py``)."""
+    """A call of :func:`pergrad.per_example_grads`, analysed (``api/grads.py``)."""
 
     spec: Spec
     call: Call
@@ -134,7 +134,7 @@ class GradsRequest:
 
 @dataclass
 class ReduceRequest:
-    """A call of ``per_example_norms_of`` / ``clipped_sum_of`` (``core/reductions.py``).
+    """A call of ``per_example_norms_of`` / ``clipped_sum_of`` (``api/reductions.py``).
 
     ``materialize()`` gives the per-example gradients (:func:`pergrad.per_example_grads` of the
     same call, supplied by the entry point); ``weights_from`` maps the squared norms to the

@@ -190,7 +190,7 @@ def _start(task: str, request: Any) -> list[str]:
 def _is_module_loss(fn: Any) -> bool:
     """Whether ``fn`` is a :func:`pergrad.module_loss` loss. Never imports torch: a
     ``ModuleLoss`` cannot exist unless its module has been imported."""
-    torch_module = sys.modules.get("pergrad._src.torch.module_loss")
+    torch_module = sys.modules.get("pergrad._src.core.module_loss")
     return torch_module is not None and isinstance(fn, torch_module.ModuleLoss)
 
 

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.core.reductions import clipped_sum_run
+from pergrad._src.backends.secure import SecureRandom
+from pergrad._src.core.module_loss import module_loss
 from pergrad._src.dp.accounting import check_accountant_noise
 from pergrad._src.dp.clipping import ClippedSum, check_noise_multiplier, check_positive
+from pergrad._src.dp.from_loss import clipped_sum_run
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
-from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import (
     NonFiniteWarning,
     PergradTypeError,
@@ -27,7 +28,6 @@ from pergrad._src.torch.distributed import (
     is_noise_rank,
     process_group_of,
 )
-from pergrad._src.torch.module_loss import module_loss
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ import transformers
 from torch.func import functional_call
 from torch.utils.data import DataLoader, Sampler
 
+from pergrad._src.backends.secure import SecureRandom
+from pergrad._src.core.module_loss import running_statistics_left_alone
 from pergrad._src.dp.accounting import Accountant, noise_multiplier_for
 from pergrad._src.dp.clipping import check_positive
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
-from pergrad._src.dp.secure import SecureRandom
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.torch.dp_optimizer import DPOptimizer
-from pergrad._src.torch.module_loss import running_statistics_left_alone
 from pergrad._src.torch.sampling import PoissonBatchSampler, collate_with_empty_batches
 
 

@@ -1,18 +1,16 @@
-"""``per_example_norms_of``, ``clipped_sum_of`` and ``choose_strategy``: the public entry points.
-
-They take the loss of ONE example and the batch, as :func:`pergrad.per_example_grads` does, and
-return what :func:`pergrad.norms.per_example_norms` and :func:`pergrad.dp.clipped_sum` would
-return on its per-example gradients, without keeping those ``B x P`` numbers. The strategy is
-chosen and run by ``strategies/registry.py``; ``choose_strategy`` shows its choice.
-"""
+"""The DP reductions straight from the loss of one example: ``clipped_sum_of`` and
+``private_grad_of``, without per-example gradients. The strategy is chosen and run as for
+:func:`pergrad.norms.per_example_norms_of` (``api/reductions.py``); the clip weights they hand
+each strategy come from ``clipping.py``, and the noise from the run's mechanism
+(``noise.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from pergrad._src.core.api import per_example_grads
-from pergrad._src.core.call import Call, Spec, analyse_call, rebuild_grads
+from pergrad._src.api.reductions import global_norms, setup_reduce_request
+from pergrad._src.core.call import Call, Spec, rebuild_grads
 from pergrad._src.dp.clipping import (
     ClippedSum,
     check_positive,
@@ -23,75 +21,9 @@ from pergrad._src.dp.clipping import (
     clipped_sum,
     noisy_mean,
 )
-from pergrad._src.errors import (
-    PergradTypeError,
-    PergradValueError,
-)
-from pergrad._src.norms import per_example_norms
+from pergrad._src.errors import PergradValueError
 from pergrad._src.strategies import registry
-from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
-
-STRATEGIES = ("auto", "materialize", "chunked", "ghost", "ghost-lowmem")
-
-
-def per_example_norms_of(
-    fn: Callable[..., Any],
-    *args: Any,
-    argnums: int | Sequence[int] = 0,
-    in_axes: Any = "auto",
-    per_layer: bool = False,
-    strategy: str = "auto",
-    chunk_size: int | None = None,
-) -> Any:
-    """Each example's gradient norm, without materialising the per-example gradients.
-
-    Args:
-      fn: the loss of ONE example, ``fn(params, x, y, ...) -> scalar`` (as for
-        :func:`pergrad.per_example_grads`); in PyTorch, a :func:`pergrad.module_loss` loss for
-        the ghost strategy; in JAX, any traceable loss.
-      *args: the arguments of ``fn``, with the data batched: ``(params, X, Y)``.
-      argnums: as for :func:`pergrad.per_example_grads`.
-      in_axes: as for :func:`pergrad.per_example_grads`.
-      per_layer: False for one norm per example; True for one per parameter array, in the
-        structure of the differentiated argument (their squares sum to the global norm squared).
-      strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
-        parameter sits in a layer with a ghost rule, and for a JAX loss whose parameters outside
-        contractions need at most 2**25 per-example numbers; else ``"chunked"``), ``"ghost"``,
-        ``"ghost-lowmem"`` (PyTorch: each layer's norms in the backward pass, its records
-        dropped there; a clipped sum then takes a second backward pass), ``"chunked"``, or
-        ``"materialize"`` (per-example gradients, then their norms).
-      chunk_size: examples per chunk for ``"chunked"`` / ``"materialize"``.
-
-    Returns:
-      ``(B,)`` norms (an array of the framework of ``args``), or with ``per_layer`` a pytree of
-      them; equal to ``pergrad.norms.per_example_norms(pergrad.per_example_grads(fn)(*args))``.
-
-    Example::
-
-        loss = pergrad.module_loss(model, F.cross_entropy)
-        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), X, Y)   # (B,)
-        # JAX: any loss of one example; jit it as you would jax.vmap(jax.grad(loss))
-        norms = jax.jit(lambda p, x, y: pergrad.norms.per_example_norms_of(loss, p, x, y))(
-            params, X, Y)
-
-    Memory: ``"ghost"`` about that of one batch gradient plus every layer's output gradients,
-    held to the end of the backward pass; ``"ghost-lowmem"`` about that of one batch gradient;
-    ``"chunked"`` that of ``chunk_size`` per-example gradients.
-    """
-    if not isinstance(per_layer, bool):
-        raise PergradTypeError(
-            f"per_example_norms_of: per_layer must be True or False; got {per_layer!r}."
-        )
-    func_name = "per_example_norms_of"
-    request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
-    spec, call = request.spec, request.call
-    result, ran = registry.execute("reduce", request, strategy, chosen)
-    if ran == "materialize":  # the per-example gradients themselves
-        return per_example_norms(result, per_layer=per_layer)
-    reduction = result
-    if per_layer:
-        return rebuild_grads(spec, call, [s**0.5 for s in reduction.squared_norms])
-    return _global_norms(reduction.squared_norms)
+from pergrad._src.strategies.protocol import StrategyChoice
 
 
 def clipped_sum_of(
@@ -185,10 +117,12 @@ def clipped_sum_run(
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group:
         check_positive(func_name, "max_norm", max_norm)
-    request, chosen = _setup(func_name, fn, args, argnums, in_axes, strategy, chunk_size)
+    request, chosen = setup_reduce_request(
+        func_name, fn, args, argnums, in_axes, strategy, chunk_size
+    )
     spec, call = request.spec, request.call
     if mask is not None:
-        _check_mask(func_name, call, mask)
+        check_mask(func_name, call, mask)
     assert chosen.choice is not None  # every "reduce" strategy reports its choice
     if chosen.strategy == "materialize":
         grads, ran = registry.execute("reduce", request, strategy, chosen)
@@ -197,9 +131,9 @@ def clipped_sum_run(
 
     def group_norms(squared: list[Any]) -> list[Any]:
         if ids is None:
-            return [_global_norms(squared)]
+            return [global_norms(squared)]
         return [
-            _global_norms([s for s, g in zip(squared, ids) if g == group])
+            global_norms([s for s, g in zip(squared, ids) if g == group])
             for group in range(len(bounds))
         ]
 
@@ -292,94 +226,7 @@ def private_grad_of(
     return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size)[0], clipped
 
 
-def layer_reductions_of(
-    fn: Callable[..., Any],
-    *args: Any,
-    reduction: str,
-    reduction_args: tuple[Any, ...] = (),
-    argnums: int | Sequence[int] = 0,
-    in_axes: Any = "auto",
-) -> list[Any]:
-    """A plug-in per-layer reduction of each example's gradient, from one captured pass.
-
-    Internal (the entry point of features built on plug-in reductions, such as a per-layer
-    Kronecker projection for attribution). ``fn``, ``args``, ``argnums``, ``in_axes``: as for
-    :func:`per_example_norms_of`. ``reduction``: the name a plug-in was registered under
-    (``capture/rules.py`` for PyTorch layer families, ``capture/jax_rules.py`` for JAX
-    contraction kinds), called with ``reduction_args`` after the records.
-
-    Returns one :class:`~pergrad._src.strategies.protocol.LeafReduction` per differentiated
-    leaf, in the core's flat order: the plug-in's values where the leaf's layer has it, else
-    the leaf's per-example gradients.
-    """
-    if not isinstance(reduction, str):
-        raise PergradTypeError(
-            f"layer_reductions_of: reduction must be the name of a registered plug-in "
-            f"reduction; got {type(reduction).__name__}."
-        )
-    spec = Spec.create("layer_reductions_of", fn, argnums, in_axes, False, None, None, None)
-    call = analyse_call(spec, args)
-
-    def materialize() -> Any:
-        return per_example_grads(fn, argnums, in_axes)(*args)
-
-    request = ReduceRequest(spec, call, fn, args, None, materialize)
-    return registry.layerwise(request, reduction, tuple(reduction_args))
-
-
-def choose_strategy(
-    fn: Callable[..., Any],
-    *args: Any,
-    argnums: int | Sequence[int] = 0,
-    in_axes: Any = "auto",
-    strategy: str = "auto",
-    chunk_size: int | None = None,
-) -> StrategyChoice:
-    """The :class:`StrategyChoice` that :func:`per_example_norms_of` would make for this call.
-
-    Runs nothing; validates like the real call (a bad ``strategy`` raises the same error).
-
-    Example::
-
-        pergrad.norms.choose_strategy(loss, loss.params(), X, Y)
-        # StrategyChoice(strategy='ghost', reason='every differentiated parameter ...',
-        #                layers={'fc1': 'linear', 'fc2': 'linear'}, ...)
-    """
-    _, chosen = _setup("choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size)
-    assert chosen.choice is not None  # every "reduce" strategy reports its choice
-    return chosen.choice
-
-
-def _setup(
-    func_name: str,
-    fn: Any,
-    args: tuple[Any, ...],
-    argnums: Any,
-    in_axes: Any,
-    strategy: Any,
-    chunk_size: Any,
-) -> tuple[ReduceRequest, Assessment]:
-    """The analysed call and the registry's choice for it (``strategies/registry.py``)."""
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise PergradValueError(
-            f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
-        )
-    spec = Spec.create(func_name, fn, argnums, in_axes, False, chunk_size, None, None)
-    call = analyse_call(spec, args)
-
-    def materialize() -> Any:
-        return per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
-
-    request = ReduceRequest(spec, call, fn, args, chunk_size, materialize)
-    chosen, _ = registry.select("reduce", request, strategy)
-    return request, chosen
-
-
-def _global_norms(squared: list[Any]) -> Any:
-    return sum(squared[1:], squared[0]) ** 0.5
-
-
-def _check_mask(func_name: str, call: Call, mask: Any) -> None:
+def check_mask(func_name: str, call: Call, mask: Any) -> None:
     bk = call.backend
     if not bk.is_array(mask) or bk.shape(mask) != (call.batch_size,):
         got = f"shape {bk.shape(mask)}" if bk.is_array(mask) else type(mask).__name__
