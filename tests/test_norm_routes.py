@@ -35,7 +35,7 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     import torch.nn.functional as F
     from torch import nn
 
-    from pergrad._src.capture import torch_layers
+    from pergrad._src.capture import cost
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -55,7 +55,7 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     choice = pergrad.norms.choose_strategy(loss, loss.params(), ids, labels)
     assert choice.strategy == "ghost"
     assert set(choice.norm_routes) == set(choice.layers) == {"embed", "conv", "norm", "head"}
-    limit = brute_force_limit(6, 24, torch_layers.FLOAT64_COST)
+    limit = brute_force_limit(6, 24, cost.FLOAT64_COST)
     assert f"up to {limit} positions" in choice.norm_routes["head"]
     assert "6 x 24 per-example gradient formed" in choice.norm_routes["head"]
     assert "24 x 6 per-example kernel gradient" in choice.norm_routes["conv"]  # 8 x 3 inputs
@@ -70,10 +70,10 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     from torch import nn
 
     from _reference import torch_flat_norms, torch_module_loop_grads
-    from pergrad._src.capture import torch_layers
+    from pergrad._src.capture import cost, torch_layers
 
     width = 32
-    limit = brute_force_limit(width, width, torch_layers.FLOAT64_COST)
+    limit = brute_force_limit(width, width, cost.FLOAT64_COST)
     positions = limit + beyond
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.Flatten(), nn.Linear(positions * width, 3))
@@ -102,8 +102,8 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     "positions, expected",
     [
         (1, "one position"),
-        (3, "jax_enable_x64 is off"),  # 3 (8 + 8) <= 8 x 8: Gram would be cheaper
-        (5, "cheaper than Gram matrices"),  # 5 (8 + 8) > 8 x 8
+        (2, "jax_enable_x64 is off"),  # 2 x 2 (8 + 8) <= 8 x 8: Gram would be cheaper
+        (3, "cheaper than Gram matrices"),  # 2 x 3 (8 + 8) > 8 x 8 (the rule PyTorch's takes)
     ],
 )
 def test_jax_routes_follow_the_traced_shapes(positions, expected):

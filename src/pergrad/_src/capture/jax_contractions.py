@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pergrad._src.capture.cost import gram_is_cheaper
 from pergrad._src.capture.jax_engine import Site, apply_chain, contract, row_axis
 from pergrad._src.capture.jax_rules import register, rule_for
 
@@ -116,7 +117,7 @@ def norm_route(site: Site) -> str:
     (_, positions, k), (_, _, f) = shapes[0].shape, shapes[1].shape
     if positions == 1:
         return "one position: |x|^2 |g|^2 (nothing formed)"
-    gram_cheaper = _gram_is_cheaper(positions, k, f)
+    gram_cheaper = gram_is_cheaper(positions, k, f)
     if gram_cheaper and jax.config.jax_enable_x64:
         return f"Gram matrices in float64 ({positions} x {positions} per example)"
     why = (
@@ -125,12 +126,6 @@ def norm_route(site: Site) -> str:
         else "cheaper than Gram matrices"
     )
     return f"the {k} x {f} per-example gradient formed ({positions} positions: {why})"
-
-
-def _gram_is_cheaper(positions: int, k: int, f: int) -> bool:
-    """Whether the ``T x T`` Gram matrices cost less than the ``k x f`` formed gradient (the
-    route :func:`norm_route` reports is this one)."""
-    return positions * (k + f) <= k * f
 
 
 def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] | None:
@@ -165,7 +160,7 @@ def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] |
 def _dense_squared_norms(a: Any, d: Any) -> Any:
     """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``.
 
-    Gram matrices (``T x T``, cheaper than the ``K x F`` gradient when ``T (K + F) <= K F``)
+    Gram matrices (``T x T``, where ``cost.gram_is_cheaper``: ``2 T (K + F) <= K F``)
     are used only in float64, that is with ``jax_enable_x64`` on: their sum
     ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` rounds with an error of ``eps (sum_t |a_t| |d_t|)^2``,
     and in float32 (TF32 on a GPU by default) a gradient whose positions nearly cancel came out
@@ -176,7 +171,7 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
     f = d.shape[2]
     if positions == 1:
         return (a[:, 0] ** 2).sum(axis=1) * (d[:, 0] ** 2).sum(axis=1)
-    if _gram_is_cheaper(positions, k, f) and jax.config.jax_enable_x64:
+    if gram_is_cheaper(positions, k, f) and jax.config.jax_enable_x64:
         wide_a, wide_d = a.astype(jnp.float64), d.astype(jnp.float64)
         gram_a = jnp.einsum("btk,bsk->bts", wide_a, wide_a, precision=_EXACT)
         gram_d = jnp.einsum("btf,bsf->bts", wide_d, wide_d, precision=_EXACT)

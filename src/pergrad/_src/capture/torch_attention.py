@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.rules import Recorded, register
-from pergrad._src.capture.torch_layers import LayerCall, dense_route, outer_product_squared_norms
+from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms
 from pergrad._src.errors import GhostUnsupported
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)

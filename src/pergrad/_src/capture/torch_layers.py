@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergrad._src.capture.cost import dense_route, gram_is_cheaper
 from pergrad._src.capture.rules import in_reduction_precision, register
 from pergrad._src.capture.torch_checks import rows_match
 from pergrad._src.errors import GhostUnsupported
@@ -58,7 +59,7 @@ def outer_product_squared_norms(
       output_grads: ``(B, G, T, q)`` the gradients at its outputs.
 
     Returns:
-      ``(B,)``. For one position it is ``|a|^2 |d|^2``; where :func:`gram_is_cheaper` the
+      ``(B,)``. For one position it is ``|a|^2 |d|^2``; where ``cost.gram_is_cheaper`` the
       Gram matrices give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large language models can
       be strong differentially private learners"), ``T x T`` blocks at a time so that their
       memory stays under :data:`GRAM_BLOCK_BYTES`; otherwise forming ``a^T d`` (``p x q`` per
@@ -108,41 +109,12 @@ def outer_product_squared_norms(
     return torch.cat(pieces)
 
 
-# The per-layer cost model of the ghost norm, by multiply-adds: the float64 Gram route does
-# T^2 (p + q) of them per example, forming the per-example gradient T p q in float32, and a
-# float64 multiply-add costs about two float32 ones. Measured by benchmarks/gram_precision.py
-# (2-core CPU): the cheaper route picked on every shape there, from T = 16 to 1024 and widths
-# 128 to 3072 (an earlier rule, T^2 (p + q) <= 50 p q, took the Gram route for a ViT MLP at
-# T = 65, 128 x 512, where forming is about 1.4x faster).
-FLOAT64_COST = 2
 # Per-example gradients formed for their norm (where the Gram route is dearer) are formed a few
 # examples at a time, at most this many bytes.
 FORMED_BLOCK_BYTES = 2**25
 # Gram matrices of a long sequence are formed in T x T blocks of at most this many bytes (both
 # matrices, the whole batch): T = 2048, B = 16 in one piece would be 1 GiB in float64.
 GRAM_BLOCK_BYTES = 2**27
-
-
-def gram_is_cheaper(positions: int, width_in: int, width_out: int) -> bool:
-    """Whether the Gram route (``T^2 (p + q)`` float64 multiply-adds per example) costs less
-    than forming the ``p x q`` per-example gradient (``T p q`` in float32), a float64 one
-    costing :data:`FLOAT64_COST` float32 ones: ``FLOAT64_COST T (p + q) <= p q``."""
-    return FLOAT64_COST * positions * (width_in + width_out) <= width_in * width_out
-
-
-def gram_limit(width_in: int, width_out: int) -> int:
-    """The most positions per example for which :func:`gram_is_cheaper` takes the Gram route
-    (0: never)."""
-    return width_in * width_out // (FLOAT64_COST * (width_in + width_out))
-
-
-def dense_route(width_in: int, width_out: int) -> str:
-    """How :func:`outer_product_squared_norms` computes a ``p x q`` layer's norms, in words."""
-    limit = gram_limit(width_in, width_out)
-    formed = f"the {width_in} x {width_out} per-example gradient formed"
-    if limit < 2:  # one position takes the closed form whatever the widths
-        return f"{formed} (one position: |x|^2 |d|^2; Gram matrices never cost less here)"
-    return f"Gram matrices in float64 for up to {limit} positions per example, else {formed}"
 
 
 def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -386,7 +358,7 @@ def conv_weighted_sum(
 def _uses_gram(layer: Any, calls: list[LayerCall]) -> bool:
     """Gram matrices of unfolded patches (Conv1d / Conv2d only) when the output has few
     positions, ``T^2 < p q``; else the per-example weight gradients (``B x weight``). (Not
-    :func:`gram_is_cheaper`, whose constant was measured for linear layers.)"""
+    ``cost.gram_is_cheaper``, whose constant was measured for linear layers.)"""
     if not isinstance(layer, (nn.Conv1d, nn.Conv2d)):
         return False
     positions = sum(c.output_grad[0, 0].numel() for c in calls)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pergrad._src.capture.cost import formed_or_gram_route, gram_is_cheaper_for
 from pergrad._src.capture.rules import register
-from pergrad._src.capture.torch_layers import FLOAT64_COST, LayerCall
+from pergrad._src.capture.torch_layers import LayerCall
 
 
 def _positions(layer: nn.Bilinear, calls: list[LayerCall]) -> tuple[Any, Any, Any]:
@@ -38,23 +39,8 @@ def _positions(layer: nn.Bilinear, calls: list[LayerCall]) -> tuple[Any, Any, An
     )
 
 
-def _gram_is_cheaper(layer: nn.Bilinear, positions: int) -> bool:
-    widths = layer.out_features + layer.in1_features + layer.in2_features
-    formed = layer.out_features * layer.in1_features * layer.in2_features
-    return FLOAT64_COST * positions * widths <= formed
-
-
-def _route(layer: nn.Bilinear) -> str:
-    widths = layer.out_features + layer.in1_features + layer.in2_features
-    formed = layer.out_features * layer.in1_features * layer.in2_features
-    limit = formed // (FLOAT64_COST * widths)
-    shape = f"{layer.out_features} x {layer.in1_features} x {layer.in2_features}"
-    if limit < 2:
-        return f"the {shape} per-example gradient formed (one position: |d|^2 |x1|^2 |x2|^2)"
-    return (
-        f"Gram matrices in float64 for up to {limit} positions per example, else the {shape} "
-        f"per-example gradient formed"
-    )
+def _widths(layer: nn.Bilinear) -> tuple[int, int, int]:
+    return (layer.out_features, layer.in1_features, layer.in2_features)
 
 
 def bilinear_per_example(layer: nn.Bilinear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
@@ -81,14 +67,16 @@ def bilinear_weighted_sum(
     name="bilinear",
     per_example=bilinear_per_example,
     weighted_sum=bilinear_weighted_sum,
-    route=_route,
+    route=lambda layer: formed_or_gram_route(_widths(layer), "|d|^2 |x1|^2 |x2|^2"),
 )
 def bilinear_squared_norms(layer: nn.Bilinear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     x1, x2, d = _positions(layer, calls)
     positions = d.shape[1]
     if positions == 1:
         weight = (d**2).sum((1, 2)) * (x1**2).sum((1, 2)) * (x2**2).sum((1, 2))
-    elif _gram_is_cheaper(layer, positions) and d.device.type != "mps":  # MPS: no float64
+    elif (
+        gram_is_cheaper_for(positions, _widths(layer)) and d.device.type != "mps"
+    ):  # MPS: no float64
         wide = [t.double() for t in (d, x1, x2)]
         grams = [t @ t.transpose(1, 2) for t in wide]
         weight = (grams[0] * grams[1] * grams[2]).sum((1, 2)).to(d.dtype)
