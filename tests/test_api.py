@@ -40,6 +40,15 @@ def test_import_pulls_in_no_framework():
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_dir_shows_the_lazy_names_without_importing_a_framework():
+    code = (
+        "import sys, pergrad; names = dir(pergrad); "
+        "print('module_loss' in names, 'per_example_grads' in names, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "False"]
+
+
 def test_linear_regression_matches_closed_form(fw):
     w, x, y = data()
     grads = pergrad.per_example_grads(linear_loss)(fw.array(w), fw.array(x), fw.array(y))

@@ -76,6 +76,17 @@ def test_summary_matches_numpy_and_prints(fw):
     assert summary.to_dict()["count"] == 40
 
 
+def test_summary_quantiles_are_attributes_by_their_printed_names():
+    values = np.arange(1.0, 1001.0)
+    summary = norms.summarize(values, quantiles=(0.5, 0.999))
+    assert summary.q50 == pytest.approx(np.quantile(values, 0.5))
+    assert summary.q99_9 == pytest.approx(np.quantile(values, 0.999))
+    assert "q50=" in str(summary) and "q99_9=" in str(summary)
+    assert {"q50", "q99_9"} <= set(dir(summary))
+    with pytest.raises(AttributeError, match="no quantile 'q90'; it holds q50, q99_9"):
+        summary.q90
+
+
 def test_noise_scale_estimators_are_unbiased():
     """g_i ~ N(G, diag(σ²)): averaged over many batches, the estimates hit tr Σ and |G|²."""
     dim, batch_size, repeats = 6, 8, 3000

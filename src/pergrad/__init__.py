@@ -36,3 +36,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(torch_module, name)
     raise AttributeError(f"module 'pergrad' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy names too, so that dir(pergrad) and tab completion show them
+    return sorted({*globals(), "module_loss", "ModuleLoss"})

@@ -157,6 +157,23 @@ class NormSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __getattr__(self, name: str) -> float:
+        """The quantiles by the names ``__str__`` prints them under: ``summary.q50`` is
+        ``summary.quantiles[0.5]`` (``q99_9`` for 0.999)."""
+        if name.startswith("q") and name != "quantiles":
+            for q, value in self.__dict__.get("quantiles", {}).items():
+                if _quantile_name(q) == name:
+                    return value
+            known = ", ".join(_quantile_name(q) for q in self.__dict__.get("quantiles", {}))
+            raise AttributeError(
+                f"NormSummary has no quantile {name!r}; it holds {known or 'none'} "
+                f"(summarize(..., quantiles=...) chooses them)."
+            )
+        raise AttributeError(f"'NormSummary' object has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        return [*super().__dir__(), *(_quantile_name(q) for q in self.quantiles)]
+
     def __str__(self) -> str:
         parts = [
             f"n={self.count}",
@@ -165,10 +182,15 @@ class NormSummary:
             f"min={self.min:.4g}",
             f"max={self.max:.4g}",
         ]
-        parts += [f"q{q * 100:g}={v:.4g}" for q, v in self.quantiles.items()]
+        parts += [f"{_quantile_name(q)}={v:.4g}" for q, v in self.quantiles.items()]
         if self.threshold is not None:
             parts.append(f"above {self.threshold:.4g}: {self.fraction_above:.1%}")
         return "NormSummary(" + ", ".join(parts) + ")"
+
+
+def _quantile_name(q: float) -> str:
+    """``0.5 -> "q50"``, ``0.999 -> "q99_9"``: the attribute of quantile ``q``."""
+    return "q" + f"{q * 100:g}".replace(".", "_")
 
 
 def summarize(
