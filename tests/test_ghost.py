@@ -945,18 +945,18 @@ def test_the_first_pass_never_holds_the_whole_batch_gradient(monkeypatch):
     memory). Each gradient handed to the reduction must be gone by the next one."""
     import weakref
 
-    from pergrad._src.strategies import ghost_torch
+    from pergrad._src.capture import torch_verify
 
     seen: list[weakref.ref] = []
     alive_at_each: list[int] = []
-    squared_norm = ghost_torch._squared_norm
+    squared_norm = torch_verify.squared_norm
 
     def observing(grad):
         alive_at_each.append(sum(ref() is not None for ref in seen))
         seen.append(weakref.ref(grad))
         return squared_norm(grad)
 
-    monkeypatch.setattr(ghost_torch, "_squared_norm", observing)
+    monkeypatch.setattr(torch_verify, "squared_norm", observing)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     loss = pergrad.module_loss(model, lambda out, y: F.mse_loss(out, y))
     x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 8)

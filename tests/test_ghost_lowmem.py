@@ -32,8 +32,7 @@ from torch import nn  # noqa: E402
 
 import pergrad  # noqa: E402
 from _reference import torch_module_loop_grads  # noqa: E402
-from pergrad._src.capture import torch_checks  # noqa: E402
-from pergrad._src.strategies import ghost_torch  # noqa: E402
+from pergrad._src.capture import torch_checks, torch_session  # noqa: E402
 from test_ghost import OutsideUse  # noqa: E402  (fc.weight used by the parent, not by fc)
 
 pytestmark = pytest.mark.filterwarnings("error::pergrad.FallbackWarning")
@@ -149,7 +148,7 @@ def most_output_gradients_held(strategy: str, monkeypatch) -> int:
     """The most layer records holding an output gradient after a layer's tensor hook has run,
     over a backward pass."""
     held, seen = [0], []
-    capturing = ghost_torch.capturing
+    capturing = torch_session.capturing
 
     def watching(modules, batch_size):
         context = capturing(modules, batch_size)
@@ -172,7 +171,7 @@ def most_output_gradients_held(strategy: str, monkeypatch) -> int:
         alive = sum(r.output_grad is not None for rs in seen[-1].values() for r in rs)
         held[0] = max(held[0], alive)
 
-    monkeypatch.setattr(ghost_torch, "capturing", watching)
+    monkeypatch.setattr(torch_session, "capturing", watching)
     monkeypatch.setattr(torch_checks.GradientSlot, "receive", counting)
     torch.manual_seed(0)
     model = Deep()

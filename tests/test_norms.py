@@ -84,7 +84,7 @@ def test_summary_quantiles_are_attributes_by_their_printed_names():
     assert "q50=" in str(summary) and "q99_9=" in str(summary)
     assert {"q50", "q99_9"} <= set(dir(summary))
     with pytest.raises(AttributeError, match="no quantile 'q90'; it holds q50, q99_9"):
-        summary.q90
+        _ = summary.q90
 
 
 def test_noise_scale_estimators_are_unbiased():

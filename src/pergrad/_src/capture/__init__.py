@@ -13,6 +13,16 @@ gradients, and the per-layer rules that reduce those records per example.
   and the per-example losses of a ``module_loss`` output.
 - ``torch_generic.py``: layers without a rule, run alone with ``torch.func``.
 - ``torch_checks.py``: what the first call of each layout establishes (where the batch is).
+- ``torch_plan.py``: the ownership planner (which layer, generic unit or position-bias table
+  reduces each differentiated parameter; ``plan`` before running, ``Ownership`` for one call).
+- ``torch_session.py``: one captured pass and its state (``forward``, ``CapturedPass``), and
+  the arming of the records for reductions in the backward pass's hooks (``when_complete``).
+- ``torch_passes.py``: the backward passes over a captured pass, in the order the checks need
+  (``capture``; the low-memory mode's ``second_pass``).
+- ``torch_quantities.py``: the per-layer reductions over a pass's records (squared norms, tied
+  norms, formed per-example gradients, weighted sums, plug-in reductions).
+- ``torch_verify.py``: the first call's verification of a captured pass (row-local output
+  gradients, losses run alone, the batch gradient against the norms).
 - ``torch_tied.py``: a parameter two layers share (tied weights): the cross rules that give the
   inner product of the two layers' per-example gradients from their records.
 

@@ -74,14 +74,14 @@ class LayerRecord(GradientSlot):
     input_versions: tuple[int, ...]
     unread_grad: bool = False
     # The recorded output and its version then: differentiating it (while no in-place op has
-    # changed it) reaches the output gradient without any weight gradient (ghost_torch.capture).
+    # changed it) reaches the output gradient without any weight gradient (capture/torch_passes.capture).
     output: torch.Tensor | None = None
     output_version: int = -1
     # Whether a tensor hook waits for the output's gradient.
     hooked: bool = False
     # The layer's own first argument, where it is the recorded input (batch on axis 0) and
     # requires grad: differentiating it also reaches the output gradient, and its gradient is
-    # smaller than the output's for an LM head (ghost_torch._light_targets).
+    # smaller than the output's for an LM head (capture/torch_session.py).
     light_input: torch.Tensor | None = None
 
 

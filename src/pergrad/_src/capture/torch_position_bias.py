@@ -19,7 +19,7 @@ table's size (buckets x heads, a few hundred numbers) formed per example, nothin
 What this rests on is checked, never assumed: the bias must be exactly the lookup permuted to
 ``(1, heads, q, k)`` (compared on every call; another layout is refused), and on a layout's
 first call the rows of the expanded bias's gradient must be row-local and the per-example
-gradients must add up to the batch gradient (``torch_checks.py``, ``ghost_torch.py``). A refusal
+gradients must add up to the batch gradient (``torch_checks.py``, ``torch_verify.py``). A refusal
 sends the call to the chunked strategy, with a ``FallbackWarning``.
 """
 

@@ -11,7 +11,7 @@ Each ``|g_j|^2`` is its layer rule's squared norm (``torch_layers.py``); a *cros
 Cross rules are registered for a pair of layer families (``rules.LayerRule.name``) and the
 parameter each side shares, one small function a pair, in either order: (embedding, linear)
 and (embedding, embedding) below. A tie between families without one is not ghosted
-(``ghost_torch.plan`` refuses it, naming the pair).
+(``torch_plan.plan`` refuses it, naming the pair).
 
 Precision: a tied gradient may nearly cancel (``g_1 ~ -g_2``); the sum above then rounds by
 about ``eps (|g_1|^2 + |g_2|^2)``, which in float32 under-estimates ``|g|^2`` by far more than its

@@ -30,7 +30,7 @@ class ModuleLoss:
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
         # Layouts (capture/torch_checks.layout_key) whose first ghost run was checked (see
-        # strategies/ghost_torch.py): later runs skip the weight gradients and the checks.
+        # capture/torch_passes.py): later runs skip the weight gradients and the checks.
         self.ghost_checked: set[Any] = set()
 
     def params(self) -> dict[str, torch.Tensor]:

@@ -13,7 +13,9 @@ Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,
 - ``ghost_torch.py`` (``"ghost"``, PyTorch ``module_loss``): norms and weighted sums from the
   captured layer inputs and output gradients, without forming per-example gradients; and
   (``"ghost-lowmem"``) the same with each layer's records dropped in its hook, the weighted
-  sums from a second backward pass.
+  sums from a second backward pass. A thin schedule over the PyTorch capture kernel
+  (``capture/torch_plan.py``, ``torch_session.py``, ``torch_passes.py``,
+  ``torch_quantities.py``, ``torch_verify.py``).
 - ``ghost_jax.py`` (``"ghost"``, any JAX loss): the same from the contractions of the traced
   loss of one example.
 - ``chunked.py`` (``"chunked"``, both frameworks): per-example gradients a chunk at a time,

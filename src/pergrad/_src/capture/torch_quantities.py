@@ -1,0 +1,405 @@
+"""The per-example quantities of one captured pass, reduced layer by layer from its records.
+
+Each hooked layer's rule (``capture/rules.rule_for``) turns its calls' inputs and output
+gradients (``torch_engine.layer_calls``) into:
+
+- per-example squared norms of its parameters (:func:`squared_norms`). A tied parameter's adds
+  each use's norms and the cross terms of every pair (``torch_tied.py``, in float64, and from
+  float64 copies of the calls where some example's uses nearly cancel); a generic unit's or a
+  position-bias table's come from their formed per-example gradients (:func:`formed_gradients`);
+- the weighted sum ``sum_i w_i g_i`` of its parameters' per-example gradients
+  (:func:`weighted_sums`; for a linear layer one matrix product, the cost of its ordinary
+  weight gradient). An example of weight 0 (padding, or a gradient that is not finite) has its
+  output gradients zeroed and the non-finite entries of its inputs replaced by 0 first
+  (:func:`weighted_calls`; ``0 * nan`` would be nan), so it adds exactly nothing;
+- a registered plug-in reduction (:func:`plug_in_values`, ``rules.register_reduction``), or the
+  per-example gradients where a layer lacks it.
+
+Every function names its results as in the call's ``params`` (``torch_plan.Ownership``), and
+gives the values per differentiated leaf, in the core's flat order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pergrad._src.capture import torch_generic, torch_position_bias, torch_tied
+from pergrad._src.capture.rules import (
+    in_reduction_precision,
+    is_additive,
+    layer_parameters,
+    rule_for,
+)
+from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
+from pergrad._src.capture.torch_layers import LayerCall  # importing it registers the rules
+from pergrad._src.capture.torch_plan import Ownership
+from pergrad._src.capture.torch_session import CapturedPass
+from pergrad._src.errors import GhostUnsupported, is_pergrad_error
+
+# [(weights (B,), indices of the leaves they weight)]: the leaves that share one weight array
+WeightGroups = list[tuple[Any, list[int]]]
+# clean(calls, weights) -> the calls as a weighted sum may read them (weighted_calls)
+CleanFn = Callable[[list[LayerCall], torch.Tensor], list[LayerCall]]
+
+
+def layer_squared_norms(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+    """``{parameter: (B,) squared norms}`` of one layer from its calls, by its rule."""
+    return rule_for(module).squared_norms(module, calls)
+
+
+def squared_norms(
+    session: CapturedPass, computed: dict[str, dict[str, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Each leaf's ``(B,)`` per-example squared norms: the layers' from their records (those in
+    ``computed``, layer name -> its rule's norms, were reduced in their tensor hooks), the tied
+    parameters' from their uses, the formed per-example gradients' (``session.unit_grads``),
+    and zeros where no hook saw the parameter (a layer whose output did not reach the loss)."""
+    owners = session.owners
+    squared: list[Any] = [None] * len(session.diff)
+    sharing = owners.sharing
+    rest = {n: m for n, m in owners.modules.items() if n not in sharing and n not in computed}
+    for name, values in _per_layer(rest, session.records, layer_squared_norms, owners):
+        squared[session.index_of(name)] = values
+    for module_name, values in computed.items():
+        layer_calls(module_name, session.records[module_name])  # raises for an unread output grad
+        for name, value in owners.named(module_name, values):
+            squared[session.index_of(name)] = value
+    for name, values in _tied_squared_norms(session).items():
+        squared[session.index_of(name)] = values
+    batch_size = session.batch_size
+    for name, grads in session.unit_grads.items():
+        squared[session.index_of(name)] = (grads**2).reshape(batch_size, -1).sum(1)
+    for k, leaf in enumerate(session.diff):  # zeros for the parameters no hook saw
+        if squared[k] is None:
+            squared[k] = leaf.new_zeros(batch_size)
+    return squared
+
+
+def _per_layer(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    compute: Callable[[nn.Module, list[LayerCall]], dict[str, torch.Tensor]],
+    owners: Ownership,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(parameter name, value)`` from ``compute(layer, calls)`` for each hooked layer, over the
+    differentiated parameters it owns, named as in ``params``. A tied parameter comes once for
+    each layer using it."""
+    for module_name, module in modules.items():
+        calls = layer_calls(module_name, records[module_name])
+        if not calls:  # never called, or its output did not reach the loss: zero gradients
+            continue
+        with torch.no_grad():
+            values = compute(module, calls)
+        yield from owners.named(module_name, values)
+
+
+def _tied_squared_norms(session: CapturedPass) -> dict[str, torch.Tensor]:
+    """Squared norms of the parameters of the layers that share one: each layer's rule gives
+    its own parameters' norms, and each shared parameter's adds its uses' norms and their cross
+    terms in float64 (``torch_tied.py``). Where some example's uses nearly cancel, the rules
+    run again on float64 copies of the calls. Layers whose output did not reach the loss add
+    nothing."""
+    sharing = sorted(session.owners.sharing)
+    calls = {owner: layer_calls(owner, session.records[owner]) for owner in sharing}
+    result, exact_enough = _tied_pass(session, calls)
+    if not exact_enough:
+        wide = {owner: torch_tied.widened(owner_calls) for owner, owner_calls in calls.items()}
+        result, _ = _tied_pass(session, wide)
+    return result
+
+
+def _tied_pass(
+    session: CapturedPass, calls: dict[str, list[LayerCall]]
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """:func:`_tied_squared_norms` from the sharing layers' ``calls`` as they are, and whether
+    every tied sum is :func:`torch_tied.well_conditioned` (always, for float64 calls)."""
+    owners, params, modules = session.owners, session.params, session.owners.modules
+    result, exact_enough = {}, True
+    with torch.no_grad():
+        own = {
+            owner: layer_squared_norms(modules[owner], owner_calls)
+            for owner, owner_calls in calls.items()
+            if owner_calls
+        }
+        for owner, values in own.items():
+            for name, value in owners.named(owner, values):
+                if name not in owners.tied:
+                    result[name] = value.to(params[name].dtype)
+        for name, uses in owners.tied.items():
+            present = [(owner, attribute) for owner, attribute in uses if owner in own]
+            if present:
+                terms = [own[o][a] for o, a in present]
+                total = torch_tied.tied_squared_norms(
+                    [torch_tied.Use(modules[o], a, calls[o]) for o, a in present], terms
+                )
+                wide = all(t.dtype == torch.float64 for t in terms)
+                exact_enough &= wide or torch_tied.well_conditioned(total, terms)
+                result[name] = total.to(params[name].dtype)
+    return result, exact_enough
+
+
+def formed_gradients(session: CapturedPass) -> dict[str, torch.Tensor]:
+    """Name in ``params`` -> ``(B, *shape)`` per-example gradients of the generic units'
+    parameters (each unit run alone over the examples, ``torch_generic.py``) and of the
+    position-bias tables (``torch_position_bias.py``)."""
+    owners, batch_size = session.owners, session.batch_size
+    result = {}
+    for unit, module in owners.units.items():
+        names = owners.unit_parameters[unit]
+        unit_params = {rel: session.params[full].detach() for rel, full in names.items()}
+        constants = _unit_constants(session, unit, module, set(names.values()))
+        try:
+            grads = torch_generic.per_example(
+                module, unit_params, session.unit_records[unit], batch_size, constants
+            )
+        except GhostUnsupported as err:
+            raise GhostUnsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
+        except Exception as err:
+            if is_pergrad_error(err):
+                raise
+            raise GhostUnsupported(
+                f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
+                f"could not vectorise it alone ({type(err).__name__}: {err})"
+            ) from err
+        result.update({names[rel]: g.detach() for rel, g in grads.items()})
+    for table, weight in owners.tables.items():
+        result[weight] = torch_position_bias.per_example(
+            owners.model.get_submodule(table), session.bias_records[table], batch_size
+        )
+    return result
+
+
+def _unit_constants(
+    session: CapturedPass, unit: str, module: nn.Module, differentiated: set[str]
+) -> dict[str, torch.Tensor]:
+    """The values in ``params`` of the unit's other parameters (its layers with a rule, its
+    nested units'), named relative to the unit, so that run alone it computes what the batched
+    pass did; detached, so that only the unit's own parameters are differentiated. A tied
+    parameter is given once, under its first name in the unit (``functional_call`` ties the
+    others)."""
+    constants = {}
+    for rel, _ in module.named_parameters():
+        name = session.owners.name_in_params(unit, rel)
+        if name is not None and name not in differentiated:
+            constants[rel] = session.params[name].detach()
+    return constants
+
+
+def _weighted_sum_of(
+    weights: torch.Tensor, clean: CleanFn | None
+) -> Callable[[nn.Module, list[LayerCall]], dict[str, torch.Tensor]]:
+    """A layer's ``{parameter: sum_i weights[i] g_i}`` from its calls (through ``clean``
+    first, :func:`weighted_calls`, for records that may hold non-finite values)."""
+
+    def weighted_sum(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
+        rule = rule_for(module)
+        if clean is not None:
+            calls = clean(calls, weights)
+        if rule.weighted_sum is not None:
+            return rule.weighted_sum(module, calls, weights)
+        per_example = rule.per_example(module, calls)  # as small as an activation
+        return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in per_example.items()}
+
+    return weighted_sum
+
+
+def weighted_calls(calls: list[LayerCall], weights: torch.Tensor) -> list[LayerCall]:
+    """The calls as a rule's weighted sum may read them: in the rows of the examples of weight
+    0, the output gradients zeroed and the non-finite entries of the floating inputs replaced
+    by 0.
+
+    An example of weight 0 then adds exactly nothing (finite inputs, a zero output gradient,
+    and a rule's sum is linear in the output gradients), where ``0 * nan`` from a nan record
+    would be nan. Inputs are touched only where axis 0 has the batch size, and only their
+    non-finite entries: an example of positive weight, a mask's ``-inf`` of a real example
+    and an input shared by the batch keep their values. One elementwise pass over the records.
+    """
+    keep = weights != 0
+    return [
+        LayerCall(
+            tuple(_finite_in_zero_rows(x, keep) for x in call.inputs),
+            _zero_rows(call.output_grad, keep),
+        )
+        for call in calls
+    ]
+
+
+def _rows(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return keep.to(like.device).reshape((-1,) + (1,) * (like.dim() - 1))
+
+
+def _finite_in_zero_rows(x: Any, keep: torch.Tensor) -> Any:
+    if not (
+        isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and x.dim() > 0
+        and x.shape[0] == keep.shape[0]
+    ):
+        return x
+    return torch.where(_rows(keep, x) | torch.isfinite(x), x, 0.0)
+
+
+def _zero_rows(records: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``records`` (``(B, ...)``) with the rows of the examples of weight 0 zeroed."""
+    return torch.where(_rows(keep, records), records, 0.0)
+
+
+def _group_names(session: CapturedPass, leaves: list[int]) -> set[str]:
+    """The names in ``params`` of the leaves at positions ``leaves``."""
+    return {name for name, leaf in session.params.items() if session.position[id(leaf)] in leaves}
+
+
+def _accumulate(session: CapturedPass, sums: list[Any], name: str, value: torch.Tensor) -> None:
+    """Put a layer's weighted sum of parameter ``name`` into ``sums``: a tied parameter's is
+    the sum of its uses', added into the first (its own)."""
+    k = session.index_of(name)
+    tied = name in session.owners.tied and sums[k] is not None
+    sums[k] = sums[k].add_(value) if tied else value
+
+
+def weighted_sums(
+    session: CapturedPass, groups: WeightGroups, clean: CleanFn | None
+) -> list[torch.Tensor]:
+    """Each leaf's ``sum_i w_i g_i`` from the records as they are (the one-pass mode), ``w``
+    its group's weights (``groups``); ``clean``: how each layer's calls are read first
+    (:func:`weighted_calls`; None where every record is finite, so none needs cleaning).
+    Zeros where no layer's records reached a parameter."""
+    owners = session.owners
+    sums: list[Any] = [None] * len(session.diff)
+    for weights, leaves in groups:
+        group = _group_names(session, leaves)
+        owning = {
+            m: module for m, module in owners.modules.items() if owners.owns_any(m, module, group)
+        }
+        compute = _weighted_sum_of(weights.detach(), clean)
+        for name, value in _per_layer(owning, session.records, compute, owners):
+            if name in group:
+                _accumulate(session, sums, name, value)
+    add_formed_sums(session, groups, sums)
+    return zeros_where_unreached(sums, session.diff)
+
+
+def add_layer_sums(
+    session: CapturedPass,
+    module_name: str,
+    module: nn.Module,
+    calls: list[LayerCall],
+    groups: WeightGroups,
+    clean: CleanFn | None,
+    sums: list[Any],
+) -> None:
+    """Add layer ``module_name``'s weighted sums from its ``calls`` into ``sums`` (per leaf),
+    for each group of ``groups`` it holds a parameter of (as :func:`weighted_sums` does for
+    every layer at once): the low-memory mode's second pass, one layer at a time."""
+    owners = session.owners
+    for weights, leaves in groups:
+        group = _group_names(session, leaves)
+        if owners.owns_any(module_name, module, group):
+            values = _weighted_sum_of(weights.detach(), clean)(module, calls)
+            for name, value in owners.named(module_name, values):
+                if name in group:
+                    _accumulate(session, sums, name, value)
+
+
+def add_formed_sums(session: CapturedPass, groups: WeightGroups, sums: list[Any]) -> None:
+    """The weighted sums of the formed per-example gradients (generic units, position-bias
+    tables) into ``sums``, examples of weight 0 zeroed first."""
+    for weights, leaves in groups:
+        for name, grads in session.unit_grads.items():
+            k = session.index_of(name)
+            if k not in leaves:
+                continue
+            grads = _zero_rows(grads, weights != 0)
+            with in_reduction_precision(grads.device):  # not in autocast's bfloat16
+                sums[k] = torch.tensordot(weights.detach().to(grads.dtype), grads, dims=1)
+
+
+def zeros_where_unreached(sums: list[Any], diff: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weighted sums, zeros for a parameter no layer's records reached (a model's worth of
+    zeros written up front would be a noticeable part of a large model's step)."""
+    return [torch.zeros_like(x) if s is None else s for s, x in zip(sums, diff)]
+
+
+def plug_in_values(
+    session: CapturedPass, reduction: str, args: tuple[Any, ...]
+) -> list[tuple[torch.Tensor, bool]]:
+    """Per leaf ``(value, reduced)``: plug-in reduction ``reduction``
+    (``rules.register_reduction``) of each parameter whose layer's rule has it (``reduced``
+    True); otherwise its ``(B, *shape)`` per-example gradients (a layer without the plug-in:
+    its rule's ``per_example``; a generic unit's parameters; a tied parameter: the sum of its
+    uses' plug-in values where the plug-in is additive and every use has it, else the sum of
+    their per-example gradients; zeros where no record reached it)."""
+    owners = session.owners
+    results: list[tuple[torch.Tensor, bool] | None] = [None] * len(session.diff)
+    additive = {
+        name
+        for name, uses in owners.tied.items()
+        if is_additive(reduction)
+        and all(
+            owner in owners.modules and rule_for(owners.modules[owner]).reduction(reduction)
+            for owner, _ in uses
+        )
+    }
+    tied: dict[str, torch.Tensor] = {}
+    for module_name, module in owners.modules.items():
+        for name, value, reduced in _layer_plug_in(
+            session, module_name, module, reduction, args, additive
+        ):
+            if name in owners.tied:  # summed over its uses: values, or formed gradients
+                tied[name] = tied[name] + value if name in tied else value
+            else:
+                results[session.index_of(name)] = (value, reduced)
+    for name, value in tied.items():
+        results[session.index_of(name)] = (value, name in additive)
+    for name, value in session.unit_grads.items():
+        results[session.index_of(name)] = (value, False)
+    return [
+        result
+        if result is not None
+        else (leaf.detach().new_zeros((session.batch_size, *leaf.shape)), False)
+        for result, leaf in zip(results, session.diff)
+    ]
+
+
+def _layer_plug_in(
+    session: CapturedPass,
+    module_name: str,
+    module: nn.Module,
+    reduction: str,
+    args: tuple[Any, ...],
+    additive: set[str],
+) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name in params, value, reduced)`` for each differentiated parameter of one layer
+    (:func:`plug_in_values`); a tied parameter's value is its plug-in value where it is in
+    ``additive``, else its per-example gradient. Empty where the layer has no calls."""
+    owners = session.owners
+    rule = rule_for(module)
+    plug_in = rule.reduction(reduction)
+    own = {
+        p: name
+        for p, _ in layer_parameters(module)
+        if (name := owners.name_in_params(module_name, p)) is not None
+    }
+    formed_ties = set(owners.tied) - additive
+    uses_formed = any(name in formed_ties for name in own.values())
+    calls = layer_calls(module_name, session.records[module_name])
+    if not calls:  # never called, or its output did not reach the loss: zeros
+        return []
+    with torch.no_grad():
+        values = plug_in(module, calls, *args) if plug_in is not None else {}
+        missing = uses_formed or any(p not in values for p in own)
+        grads = rule.per_example(module, calls) if missing else {}
+    found = []
+    for param_name, name in own.items():
+        if name in owners.tied:
+            value = values[param_name] if name in additive else grads[param_name]
+            found.append((name, value, name in additive))
+        elif param_name in values:
+            found.append((name, values[param_name], True))
+        else:
+            found.append((name, grads[param_name], False))
+    return found

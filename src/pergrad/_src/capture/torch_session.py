@@ -1,0 +1,289 @@
+"""One captured pass of a :func:`pergrad.module_loss`, and its state until it has been reduced.
+
+:func:`forward` runs the model ONCE on the whole batch (``functional_call`` with fresh leaf
+tensors for the parameters, so the model's own tensors, ``.grad`` fields and flags are never
+touched) under the hooks of ``torch_engine.py`` (layers with a rule), ``torch_generic.py``
+(generic units) and ``torch_position_bias.py`` (position-bias tables), and gives each example's
+loss (``torch.func.vmap`` over the output's rows, the ``unsqueeze(0)`` that ``module_loss``
+does). The backward passes that follow (``torch_passes.py``) fill each record's output
+gradient; the reductions (``torch_quantities.py``) and the first call's checks
+(``torch_verify.py``) read them from the :class:`CapturedPass`.
+
+What the backward passes differentiate (:attr:`CapturedPass.light`) reaches every hooked
+output without computing a weight gradient: a layer's bias, or its recorded input or output
+(:func:`_light_targets`). :func:`when_complete` arms the records so that a layer's output
+gradients are reduced, and dropped, in the tensor hook of its last call (the low-memory mode).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pergrad._src.capture import torch_checks, torch_generic, torch_position_bias
+from pergrad._src.capture.rules import layer_parameters
+from pergrad._src.capture.torch_engine import (
+    LayerRecord,
+    capturing,
+    model_and_loss_arguments,
+    per_example_losses,
+)
+from pergrad._src.capture.torch_plan import Ownership, ownership
+from pergrad._src.core.call import Call, Spec
+from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
+from pergrad._src.errors import GhostUnsupported
+
+# Why reentrant activation checkpointing cannot take the ghost path (found by its first backward
+# pass): "auto" takes the chunked strategy, whose layer hooks run it with .backward().
+REENTRANT = (
+    "the model uses activation checkpointing with use_reentrant=True, which torch cannot "
+    "differentiate with torch.autograd.grad, and the ghost strategy's backward pass reaches "
+    "each layer's output gradient that way. Use use_reentrant=False, PyTorch's "
+    "recommendation, to keep the ghost path (torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False); Hugging Face: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+)
+
+
+@dataclass(kw_only=True)
+class CapturedPass:
+    """The batched forward pass of one call under the hooks, and what its backward passes and
+    reductions add to it.
+
+    Attributes:
+      diff: the differentiated leaves (fresh tensors), in the core's flat order.
+      params: the parameter dict the model ran with (its values are ``diff``).
+      owners: which layer, unit or table reduces each parameter (``torch_plan.Ownership``).
+      batch_size: ``B``.
+      records: the hooked layers' calls (``torch_engine.LayerRecord``), by layer name.
+      unit_records, bias_records: the generic units' and position-bias tables' calls, until
+        their per-example gradients are formed (then emptied, :meth:`release`).
+      losses: ``(B,)`` per-example losses and their graph; None once no backward pass follows.
+      light: what a backward pass differentiates to reach every hooked output without any
+        weight gradient (empty once no backward pass follows).
+      rng: the backend's random-number state before the forward pass.
+      unit_grads: name in ``params`` -> ``(B, *shape)`` per-example gradients of the generic
+        units' parameters and the position-bias tables.
+      squared: per leaf ``(B,)`` squared norms, or None when not asked for.
+      summaries: ``id(record) -> torch_checks.RowSummary`` of the output gradients dropped
+        after their layer was reduced (the low-memory mode): the row check and the second
+        pass compare these.
+      pending_key: the layout whose first-call checks the low-memory mode's second pass still
+        owes (None: none).
+    """
+
+    diff: list[torch.Tensor]
+    params: dict[str, torch.Tensor]
+    owners: Ownership
+    batch_size: int
+    records: dict[str, list[LayerRecord]]
+    unit_records: dict[str, list[Any]]
+    bias_records: dict[str, list[Any]]
+    losses: torch.Tensor | None
+    light: list[torch.Tensor]
+    rng: Any
+    unit_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    squared: list[Any] | None = None
+    summaries: dict[int, torch_checks.RowSummary] = field(default_factory=dict)
+    pending_key: Any = None
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """``id(leaf) -> index`` in ``diff``."""
+        return {id(leaf): k for k, leaf in enumerate(self.diff)}
+
+    def index_of(self, name: str) -> int:
+        """The position in ``diff`` of parameter ``name`` (as in ``params``)."""
+        return self.position[id(self.params[name])]
+
+    def captured(self) -> dict[str, list[Any]]:
+        """Every record with a gradient slot: layers, units, tables."""
+        return {**self.records, **self.unit_records, **self.bias_records}
+
+    def summarize_and_drop_gradients(self) -> None:
+        """Keep only a row summary of each output gradient received (in ``summaries``), and
+        drop the later gradients of the units and tables, whose sums come from their formed
+        per-example gradients."""
+        slots = [r for rs in self.captured().values() for r in rs]
+        for slot in slots:
+            if slot.output_grad is not None:
+                self.summaries[id(slot)] = torch_checks.summarize_rows(slot.output_grad)
+        for slot in slots:
+            slot.output_grad = None
+        for rs in (*self.unit_records.values(), *self.bias_records.values()):
+            for r in rs:
+                r.watch = _drop
+
+    def release(self, keep_graph: bool) -> None:
+        """Drop what only the capture needed: the units' and tables' records, and, unless
+        ``keep_graph`` (a second backward pass follows), the losses and their graph."""
+        self.unit_records, self.bias_records = {}, {}
+        if not keep_graph:
+            self.release_graph()
+
+    def release_graph(self) -> None:
+        """Drop the losses and the light targets: the graph is freed."""
+        self.losses, self.light = None, []
+
+
+def _drop(grad: torch.Tensor) -> None:
+    """A gradient slot's watch that drops what it is given."""
+
+
+def forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) -> CapturedPass:
+    """The batched forward pass with every layer of ``layers`` (module name -> rule, as
+    ``torch_plan.plan`` gives) hooked, and the per-example losses."""
+    model = loss.model
+    refuse_batch_mixing_layers(model, spec.func_name)
+    batch_size = call.batch_size
+    diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
+    batched = [call.leaves[i][j] for i, j in call.batched_positions]
+    args = call.rebuild(diff, batched)
+    params = args[0]
+    inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
+    owners = ownership(model, params, layers)
+    # Each generic unit's smallest parameter (and below, each layer's bias or output):
+    # differentiating these reaches every output gradient at almost no cost of its own.
+    unit_light = [
+        min((params[full] for full in names.values()), key=lambda p: p.numel())
+        for names in owners.unit_parameters.values()
+    ] + [params[weight] for weight in owners.tables.values()]  # a table: buckets x heads numbers
+    rng = call.backend.rng_state()
+    with torch.enable_grad():
+        with (
+            capturing(owners.modules, batch_size) as records,
+            torch_generic.capturing_units(owners.units, batch_size) as unit_records,
+            torch_position_bias.capturing(model, list(owners.tables), batch_size) as bias_records,
+        ):
+            output = loss.forward(params, inputs)
+        losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+    light = _light_targets(owners, records, params) + unit_light
+    for layer_records in records.values():
+        for record in layer_records:  # the output is the graph's now (or a light target): an
+            record.output = record.light_input = None  # LM head's logits are freed early
+    return CapturedPass(
+        diff=diff,
+        params=params,
+        owners=owners,
+        batch_size=batch_size,
+        records=records,
+        unit_records=unit_records,
+        bias_records=bias_records,
+        losses=losses,
+        light=light,
+        rng=rng,
+    )
+
+
+def _light_targets(
+    owners: Ownership, records: dict[str, list[LayerRecord]], params: dict[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """What to differentiate so that the backward pass reaches every hooked layer's output
+    and computes no weight gradient: a layer's vector parameter (a bias, a norm's scale) if
+    it has one; otherwise (a bias-free linear layer, an embedding: Llama's every layer, an LM
+    head) for each call its input, where that is the layer's own argument, unchanged, and
+    smaller than the output (an LM head's: its gradient is computed on the way anyway, and the
+    output's, B x T x vocabulary numbers, would be returned and held), else its output, as long
+    as no in-place op has changed them since (their hooks would not fire), else its smallest
+    parameter."""
+    chosen: dict[int, torch.Tensor] = {}
+    for module_name, module in owners.modules.items():
+        own = [
+            params[name]
+            for param_name, _ in layer_parameters(module)
+            if (name := owners.name_in_params(module_name, param_name)) is not None
+        ]
+        if not own:
+            continue
+        smallest = min(own, key=lambda p: p.numel())
+        layer_records = records[module_name]
+        unchanged = all(
+            r.output is None or r.output._version == r.output_version for r in layer_records
+        )
+        if smallest.dim() >= 2 and any(r.output is not None for r in layer_records) and unchanged:
+            for r in layer_records:
+                if r.output is not None:
+                    x = _light_input(r)
+                    target = r.output if x is None else x
+                    chosen[id(target)] = target
+        else:
+            chosen[id(smallest)] = smallest
+    return list(chosen.values())
+
+
+def _light_input(record: LayerRecord) -> torch.Tensor | None:
+    """The call's own input, where differentiating it instead of the output is cheaper and
+    still reaches the output gradient (unchanged since the layer read it, smaller)."""
+    x = record.light_input
+    assert record.output is not None
+    if (
+        x is not None
+        and x._version == record.input_versions[0]
+        and x.numel() < record.output.numel()
+    ):
+        return x
+    return None
+
+
+@contextmanager
+def reentrant_refused() -> Iterator[None]:
+    """Turn the error of a backward pass through reentrant activation checkpointing into
+    :class:`GhostUnsupported` (:data:`REENTRANT`); other errors pass through."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise GhostUnsupported(REENTRANT) from err
+
+
+# complete(layer name, layer, its records) -> whether its output gradients may be dropped
+CompleteFn = Callable[[str, nn.Module, list[LayerRecord]], bool]
+
+
+def when_complete(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    complete: CompleteFn,
+    reached: Callable[[LayerRecord], bool] = lambda r: r.hooked,
+) -> None:
+    """Arm the low-memory mode for the backward pass that follows: when every recorded call of
+    a layer that the pass reaches (``reached``: an output that requires grad; in a second
+    pass, a call the first reached) has its output gradient, ``complete(name, layer,
+    records)`` runs there and then (in the tensor hook) and, where it returns True, the
+    records drop their output gradients, so that at most a few layers' output gradients are
+    alive at once instead of every layer's.
+
+    A layer whose calls do not all receive a gradient (a call off the loss's path), whose
+    record list grows during the pass (reentrant checkpointing reruns the forward pass inside
+    the backward pass), or for which ``complete`` fails, keeps its gradients; the caller
+    handles it after the pass, as in the one-pass mode (where a failure is raised)."""
+
+    def arm(module_name: str, module: nn.Module, count: int, expected: list[LayerRecord]) -> None:
+        def receive(record: LayerRecord, grad: torch.Tensor) -> None:
+            record.output_grad = grad
+            layer_records = records[module_name]
+            if len(layer_records) != count or any(r.output_grad is None for r in expected):
+                return
+            try:
+                with torch.no_grad():
+                    done = complete(module_name, module, layer_records)
+            except Exception:  # noqa: BLE001  (computed again after the pass, which raises it)
+                return
+            if done:
+                for r in layer_records:
+                    r.output_grad, r.watch = None, None
+
+        for record in expected:
+            record.watch = functools.partial(receive, record)
+
+    for module_name, module in modules.items():
+        expected = [r for r in records[module_name] if reached(r)]
+        if expected:
+            arm(module_name, module, len(records[module_name]), expected)
