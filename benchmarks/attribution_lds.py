@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import functools
 import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +53,9 @@ import torch.nn.functional as F
 
 import pergrad  # noqa: E402
 from pergrad import influence, per_example_grads  # noqa: E402
-from pergrad.bench.machine import cpu_model, load_average  # noqa: E402
+from pergrad.bench.machine import load_average  # noqa: E402
+from pergrad.bench.report import machine_sentence, markdown_table, write_text  # noqa: E402
+from pergrad.bench.timing import timed  # noqa: E402
 
 N_TRAIN, N_TARGET, N_SUBSETS, ALPHA, L2, HIDDEN, ENSEMBLE, PROJ = (
     1000,
@@ -203,22 +202,23 @@ def ground_truth(
         if str(cached["key"]) == key:
             return cached["masks"], cached["outputs"]
     masks = influence.lds_subsets(len(x), subsets, fraction=ALPHA, seed=0)
-    start = time.perf_counter()
-    outputs = np.stack(
-        [
-            np.mean(
-                [
-                    margins(train(kind, x[m], y[m], seed=s), x_target, y_target)
-                    for s in range(seeds)
-                ],
-                axis=0,
-            )
-            for m in masks
-        ]
-    )
-    print(
-        f"  ground truth for {kind}: {subsets} retrainings in {time.perf_counter() - start:.0f} s"
-    )
+
+    def retrained_margins() -> np.ndarray:
+        return np.stack(
+            [
+                np.mean(
+                    [
+                        margins(train(kind, x[m], y[m], seed=s), x_target, y_target)
+                        for s in range(seeds)
+                    ],
+                    axis=0,
+                )
+                for m in masks
+            ]
+        )
+
+    outputs, seconds = timed(retrained_margins)
+    print(f"  ground truth for {kind}: {subsets} retrainings in {seconds:.0f} s")
     if not quick:
         np.savez_compressed(path, key=key, masks=masks, outputs=outputs)
     return masks, outputs
@@ -250,12 +250,14 @@ def one_minus_p(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) ->
 
 def run_grad(kind: str, models: list, arrays: tuple, cosine: bool) -> tuple[np.ndarray, float]:
     x, y, xt, yt = arrays
-    start = time.perf_counter()
-    train_grads = per_example_grads(ce_loss)(models[0], x, y)
-    target_grads = per_example_grads(neg_margin)(models[0], xt, yt)
     method = influence.grad_cosine if cosine else influence.grad_dot
-    scores = method(train_grads, target_grads)
-    return scores.numpy()[None], time.perf_counter() - start
+
+    def scores() -> np.ndarray:
+        train_grads = per_example_grads(ce_loss)(models[0], x, y)
+        target_grads = per_example_grads(neg_margin)(models[0], xt, yt)
+        return method(train_grads, target_grads).numpy()[None]
+
+    return timed(scores)
 
 
 def run_influence(
@@ -264,13 +266,12 @@ def run_influence(
     """Influence with the Hessian-vector-product solvers, one solve per damping of ``grid``
     (each timed)."""
     x, y, xt, yt = arrays
-    scores, seconds = [], []
-    for damping in grid:
-        start = time.perf_counter()
+
+    def solve(damping: float) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", influence.InfluenceWarning)
             try:
-                result = influence.influence_function(
+                return influence.influence_function(
                     ce_loss,
                     models[0],
                     (x, y),
@@ -282,27 +283,27 @@ def run_influence(
                 ).numpy()
             except ValueError as error:  # LiSSA diverging at a small damping: not a candidate
                 print(f"    damping {damping:g}: {str(error)[:100]}...")
-                result = np.full((len(x), len(xt)), np.nan)
-        seconds.append(time.perf_counter() - start)
-        scores.append(result)
-    return np.stack(scores), seconds
+                return np.full((len(x), len(xt)), np.nan)
+
+    scores, seconds = zip(*(timed(functools.partial(solve, damping)) for damping in grid))
+    return np.stack(scores), list(seconds)
 
 
 def run_exact(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
     """The exact solver for the whole grid at once (one Hessian, one eigendecomposition)."""
     x, y, xt, yt = arrays
-    start = time.perf_counter()
-    scores = influence.influence_function(
-        ce_loss,
-        models[0],
-        (x, y),
-        (xt, yt),
-        damping=EXACT_GRID,
-        solver="exact",
-        target_fn=neg_margin,
-        regularizer=weight_decay,
+    return timed(
+        lambda: influence.influence_function(
+            ce_loss,
+            models[0],
+            (x, y),
+            (xt, yt),
+            damping=EXACT_GRID,
+            solver="exact",
+            target_fn=neg_margin,
+            regularizer=weight_decay,
+        ).numpy()
     )
-    return scores.numpy(), time.perf_counter() - start
 
 
 def as_module(p: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -339,25 +340,27 @@ def run_kfac(models: list, arrays: tuple, solver: str, draws: int = 0) -> tuple[
     model = as_module(models[0])
     loss = pergrad.module_loss(model, F.cross_entropy)
     target = pergrad.module_loss(model, batch_neg_margin)
-    start = time.perf_counter()
-    hessian_batch = None
-    if draws:
-        with torch.no_grad():
-            probabilities = torch.softmax(model(x), 1)
-        generator = torch.Generator().manual_seed(0)
-        labels = torch.multinomial(probabilities, draws, replacement=True, generator=generator)
-        hessian_batch = (x.repeat(draws, 1), labels.T.reshape(-1))
-    scores = influence.influence_function(
-        loss,
-        loss.params(),
-        (x, y),
-        (xt, yt),
-        damping=[L2 + d for d in KFAC_GRID],
-        solver=solver,
-        target_fn=target,
-        hessian_batch=hessian_batch,
-    )
-    return scores.numpy(), time.perf_counter() - start
+
+    def scores() -> np.ndarray:
+        hessian_batch = None
+        if draws:
+            with torch.no_grad():
+                probabilities = torch.softmax(model(x), 1)
+            generator = torch.Generator().manual_seed(0)
+            labels = torch.multinomial(probabilities, draws, replacement=True, generator=generator)
+            hessian_batch = (x.repeat(draws, 1), labels.T.reshape(-1))
+        return influence.influence_function(
+            loss,
+            loss.params(),
+            (x, y),
+            (xt, yt),
+            damping=[L2 + d for d in KFAC_GRID],
+            solver=solver,
+            target_fn=target,
+            hessian_batch=hessian_batch,
+        ).numpy()
+
+    return timed(scores)
 
 
 def run_trak(
@@ -368,20 +371,29 @@ def run_trak(
     kind: str = "rademacher",
 ) -> tuple[np.ndarray, float]:
     """pergrad's TRAK, model ``m`` projected with seed ``seed + m``, on ``grid``."""
+    return timed_trak(margin, one_minus_p, models, arrays, damping=grid, seed=seed, kind=kind)
+
+
+def timed_trak(
+    margin_fn: Callable, weight_fn: Callable, checkpoints: list, arrays: tuple, **options: Any
+) -> tuple[np.ndarray, float]:
+    """``influence.trak`` of ``margin_fn`` weighted by ``weight_fn``, projected to ``PROJ``
+    dimensions: the scores as numpy (which waits for JAX's asynchronous dispatch), and the
+    seconds they took."""
     x, y, xt, yt = arrays
-    start = time.perf_counter()
-    scores = influence.trak(
-        margin,
-        models,
-        (x, y),
-        (xt, yt),
-        weight_fn=one_minus_p,
-        proj_dim=PROJ,
-        damping=grid,
-        seed=seed,
-        kind=kind,
+    return timed(
+        lambda: np.asarray(
+            influence.trak(
+                margin_fn,
+                checkpoints,
+                (x, y),
+                (xt, yt),
+                weight_fn=weight_fn,
+                proj_dim=PROJ,
+                **options,
+            )
+        )
     )
-    return scores.numpy(), time.perf_counter() - start
 
 
 def batch_margin(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -406,36 +418,40 @@ def run_trak_factored(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
     """TRAK with the factored projection: each weight's ``FACTORED_DIMS`` block from its
     layer's input and output gradient, the biases projected to ``OTHER_DIM``."""
     x, y, xt, yt = arrays
-    start = time.perf_counter()
-    template, checkpoints = module_form(models)
-    scores = influence.trak(
-        pergrad.module_loss(template, batch_margin),
-        checkpoints,
-        (x, y),
-        (xt, yt),
-        weight_fn=pergrad.module_loss(template, batch_one_minus_p),
-        proj_dim=OTHER_DIM,
-        projection="factored",
-        factored_dims=FACTORED_DIMS,
-        damping=TRAK_GRID,
-    )
-    return scores.numpy(), time.perf_counter() - start
+
+    def scores() -> np.ndarray:
+        template, checkpoints = module_form(models)
+        return influence.trak(
+            pergrad.module_loss(template, batch_margin),
+            checkpoints,
+            (x, y),
+            (xt, yt),
+            weight_fn=pergrad.module_loss(template, batch_one_minus_p),
+            proj_dim=OTHER_DIM,
+            projection="factored",
+            factored_dims=FACTORED_DIMS,
+            damping=TRAK_GRID,
+        ).numpy()
+
+    return timed(scores)
 
 
 def run_grad_dot_factored(models: list, arrays: tuple) -> tuple[np.ndarray, float]:
     """``grad_dot`` of factored projections of the training losses' and targets' gradients."""
     x, y, xt, yt = arrays
-    start = time.perf_counter()
-    template, checkpoints = module_form(models[:1])
     options = {"k_in": FACTORED_DIMS[0], "k_out": FACTORED_DIMS[1], "other_dim": OTHER_DIM}
-    train = influence.project_factored(
-        pergrad.module_loss(template, F.cross_entropy), checkpoints[0], (x, y), **options
-    )
-    target = influence.project_factored(
-        pergrad.module_loss(template, batch_neg_margin), checkpoints[0], (xt, yt), **options
-    )
-    scores = influence.grad_dot(train, target)
-    return scores.numpy()[None], time.perf_counter() - start
+
+    def scores() -> np.ndarray:
+        template, checkpoints = module_form(models[:1])
+        train = influence.project_factored(
+            pergrad.module_loss(template, F.cross_entropy), checkpoints[0], (x, y), **options
+        )
+        target = influence.project_factored(
+            pergrad.module_loss(template, batch_neg_margin), checkpoints[0], (xt, yt), **options
+        )
+        return influence.grad_dot(train, target).numpy()[None]
+
+    return timed(scores)
 
 
 def run_trak_jax(models: list, arrays: tuple, seed: int = 0) -> tuple[np.ndarray, float]:
@@ -457,19 +473,10 @@ def run_trak_jax(models: list, arrays: tuple, seed: int = 0) -> tuple[np.ndarray
         return 1 - jax.nn.softmax(logits(p, x))[y]
 
     checkpoints = [{k: jnp.asarray(v.numpy()) for k, v in p.items()} for p in models]
-    x, y, xt, yt = (jnp.asarray(a.numpy()) for a in arrays)
-    start = time.perf_counter()
-    scores = influence.trak(
-        margin_jax,
-        checkpoints,
-        (x, y),
-        (xt, yt),
-        weight_fn=one_minus_p_jax,
-        proj_dim=PROJ,
-        damping=TRAK_GRID,
-        seed=seed,
+    jax_arrays = tuple(jnp.asarray(a.numpy()) for a in arrays)
+    return timed_trak(
+        margin_jax, one_minus_p_jax, checkpoints, jax_arrays, damping=TRAK_GRID, seed=seed
     )
-    return np.asarray(scores), time.perf_counter() - start
 
 
 class Net(torch.nn.Module):
@@ -492,41 +499,11 @@ def run_traker(
     grid re-finalise the stored features with the new ``lambda_reg`` (through traker's score
     computer and saver, so featurisation is not repeated and only the first value is timed).
     ``seed`` is traker's ``projector_seed``."""
-    from trak import TRAKer
-
     logging.getLogger("TRAK").setLevel(logging.ERROR)
-    x, y, xt, yt = arrays
-    results = []
     with tempfile.TemporaryDirectory() as save_dir:
-        start = time.perf_counter()
-        traker = TRAKer(
-            model=Net(models[0]),
-            task="image_classification",
-            train_set_size=len(x),
-            save_dir=save_dir,
-            device="cpu",
-            proj_dim=PROJ,
-            use_half_precision=False,
-            projector_seed=seed,
-            lambda_reg=grid[0],
-            logging_level=logging.ERROR,
-        )
-        for model_id, params in enumerate(models):
-            traker.load_checkpoint(Net(params).state_dict(), model_id=model_id)
-            for s in range(0, len(x), 250):
-                chunk = (x[s : s + 250], y[s : s + 250])
-                traker.featurize(batch=chunk, num_samples=len(chunk[0]))
-        traker.finalize_features()
-        for model_id, params in enumerate(models):
-            traker.start_scoring_checkpoint(
-                exp_name="targets",
-                checkpoint=Net(params).state_dict(),
-                model_id=model_id,
-                num_targets=len(xt),
-            )
-            traker.score(batch=(xt, yt), num_samples=len(xt))
-        results.append(np.array(traker.finalize_scores(exp_name="targets")))
-        seconds = time.perf_counter() - start
+        first = functools.partial(traker_scores, models, arrays, grid[0], seed, save_dir)
+        (traker, scores), seconds = timed(first)
+        results = [scores]
         for lam in grid[1:]:
             traker.score_computer.lambda_reg = lam
             for model_id in range(len(models)):
@@ -535,6 +512,43 @@ def run_traker(
             traker.finalize_features()
             results.append(np.array(traker.finalize_scores(exp_name="targets")))
     return np.stack(results), seconds
+
+
+def traker_scores(
+    models: list, arrays: tuple, lambda_reg: float, seed: int, save_dir: str
+) -> tuple[Any, np.ndarray]:
+    """A ``TRAKer`` that has featurised the training set with every model, and its scores of
+    the targets (``lambda_reg``, projector seed ``seed``)."""
+    from trak import TRAKer
+
+    x, y, xt, yt = arrays
+    traker = TRAKer(
+        model=Net(models[0]),
+        task="image_classification",
+        train_set_size=len(x),
+        save_dir=save_dir,
+        device="cpu",
+        proj_dim=PROJ,
+        use_half_precision=False,
+        projector_seed=seed,
+        lambda_reg=lambda_reg,
+        logging_level=logging.ERROR,
+    )
+    for model_id, params in enumerate(models):
+        traker.load_checkpoint(Net(params).state_dict(), model_id=model_id)
+        for s in range(0, len(x), 250):
+            chunk = (x[s : s + 250], y[s : s + 250])
+            traker.featurize(batch=chunk, num_samples=len(chunk[0]))
+    traker.finalize_features()
+    for model_id, params in enumerate(models):
+        traker.start_scoring_checkpoint(
+            exp_name="targets",
+            checkpoint=Net(params).state_dict(),
+            model_id=model_id,
+            num_targets=len(xt),
+        )
+        traker.score(batch=(xt, yt), num_samples=len(xt))
+    return traker, np.array(traker.finalize_scores(exp_name="targets"))
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -651,9 +665,8 @@ def problem(kind: str, quick: bool) -> tuple[tuple[np.ndarray, ...], Any, Any, A
 def full_set_models(kind: str, data: tuple[np.ndarray, ...], count: int) -> list:
     """``count`` models trained on the full training set (training seeds ``0 .. count - 1``),
     as float32."""
-    start = time.perf_counter()
-    full = [train(kind, data[0], data[1], seed=s) for s in range(count)]
-    print(f"  {count} full-set model(s) trained in {time.perf_counter() - start:.0f} s")
+    full, seconds = timed(lambda: [train(kind, data[0], data[1], seed=s) for s in range(count)])
+    print(f"  {count} full-set model(s) trained in {seconds:.0f} s")
     # keys in sorted order, as JAX flattens a dict: both frameworks project the same rows
     return [{k: p[k].float() for k in sorted(p)} for p in full]
 
@@ -771,26 +784,24 @@ def mean_std_se(values: np.ndarray) -> tuple[float, float, float]:
     return float(values.mean()), std, std / len(values) ** 0.5
 
 
-def trak_seed_table(results: dict[str, list[tuple[float, float, float]]]) -> list[str]:
+def trak_seed_table(results: dict[str, list[tuple[float, float, float]]]) -> str:
     """One row per method: the dampings chosen over the seeds, the LDS's mean and standard
     deviation, and the paired difference to traker's LDS."""
-    lines = [
-        "| method | chosen on even subsets (seeds) | LDS mean | LDS std | minus traker: mean "
-        "| std | SE | seconds (mean) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = ["method", "chosen on even subsets (seeds)", "LDS mean", "LDS std"]
+    header += ["minus traker: mean", "std", "SE", "seconds (mean)"]
+    rows = []
     for name, runs in results.items():
         chosen = collections.Counter(run[0] for run in runs)
         picks = ", ".join(f"{value:g} x{n}" for value, n in sorted(chosen.items()))
         mean, std, _ = mean_std_se(np.array([run[1] for run in runs]))
         difference = paired_difference(results, name)
-        paired = "- | - | -"
+        paired = ["-", "-", "-"]
         if difference is not None:
             d_mean, d_std, d_se = mean_std_se(difference)
-            paired = f"{d_mean:+.4f} | {d_std:.4f} | {d_se:.4f}"
+            paired = [f"{d_mean:+.4f}", f"{d_std:.4f}", f"{d_se:.4f}"]
         seconds = np.mean([run[2] for run in runs])
-        lines.append(f"| {name} | {picks} | {mean:.4f} | {std:.4f} | {paired} | {seconds:.1f} |")
-    return lines
+        rows.append([name, picks, f"{mean:.4f}", f"{std:.4f}", *paired, f"{seconds:.1f}"])
+    return markdown_table(header, rows)
 
 
 def trak_seed_verdict(all_results: dict[str, dict[str, list]]) -> list[str]:
@@ -833,20 +844,19 @@ def trak_seed_verdict(all_results: dict[str, dict[str, list]]) -> list[str]:
 def cg_tolerance_study(study: dict[str, Any], tolerances: list[float]) -> list[str]:
     """CG at each tolerance, at the damping the CG row chose: LDS on the odd subsets and the
     seconds of the solve (issue 21: the default tolerance chosen from these)."""
-    lines = [
-        f"CG at damping {study['damping']:g} (the CG row's choice), one solve per tolerance:",
-        "",
-        "| CG tol | LDS (odd subsets) | seconds |",
-        "| --- | --- | --- |",
-    ]
+    rows = []
     for tol in tolerances:
         scores, seconds = run_influence(
             study["models"], study["arrays"], influence.CG(tol=tol), [study["damping"]]
         )
         value = influence.lds(scores[0], study["masks"][1::2], study["outputs"][1::2])
-        lines.append(f"| {tol:g} | {value:.4f} | {seconds[0]:.1f} |")
+        rows.append([f"{tol:g}", f"{value:.4f}", f"{seconds[0]:.1f}"])
         print(f"  CG tol {tol:g}: LDS {value:.4f}, {seconds[0]:.1f} s", flush=True)
-    return lines
+    return [
+        f"CG at damping {study['damping']:g} (the CG row's choice), one solve per tolerance:",
+        "",
+        markdown_table(["CG tol", "LDS (odd subsets)", "seconds"], rows),
+    ]
 
 
 TITLES = {
@@ -927,7 +937,7 @@ def write_trak_seeds(args: argparse.Namespace, all_results: dict[str, dict], don
     """Print the tables and verdict of the ``done`` seeds so far; write them to ``--out``."""
     lines = []
     for kind, results in all_results.items():
-        lines += [f"### {TITLES[kind]}", "", *trak_seed_table(results), ""]
+        lines += [f"### {TITLES[kind]}", "", trak_seed_table(results), ""]
     lines += ["### TRAK against traker", "", *trak_seed_verdict(all_results), ""]
     table = "\n".join(lines)
     print(table)
@@ -935,13 +945,10 @@ def write_trak_seeds(args: argparse.Namespace, all_results: dict[str, dict], don
     print(f"load average after {done} seeds: {load}")
     if not args.out:
         return
-    os.makedirs(args.out, exist_ok=True)
     asked = "" if done == args.trak_seeds else f" (of the {args.trak_seeds} asked)"
     header = (
-        f"# attribution_lds.py --trak-seeds {args.trak_seeds}\n\nMachine: {cpu_model()}, "
-        f"{os.cpu_count()} cores, {platform.system()}, torch {torch.__version__}, load "
-        f"average {load} at the end (a shared machine: times are noisy), "
-        f"{datetime.date.today().isoformat()}. {N_TRAIN} training digits, {N_TARGET} targets, "
+        f"# attribution_lds.py --trak-seeds {args.trak_seeds}\n\n{machine_and_load(load)}. "
+        f"{N_TRAIN} training digits, {N_TARGET} targets, "
         f"{N_SUBSETS} half-size subsets (32 to choose the damping, 32 to score), projection "
         f"dimension k = {PROJ}, TRAK damping grid {TRAK_GRID} (pergrad's damping, traker's "
         f"lambda_reg). The TRAK comparison of attribution_lds.md repeated over {done} "
@@ -958,8 +965,13 @@ def write_trak_seeds(args: argparse.Namespace, all_results: dict[str, dict], don
         f"damping is in traker's units. Other seconds: the whole grid (traker's: the first "
         f"value), JAX's include tracing.\n\n"
     )
-    with open(os.path.join(args.out, "attribution_lds_trak_seeds.md"), "w") as f:
-        f.write(header + table)
+    write_text(os.path.join(args.out, "attribution_lds_trak_seeds.md"), header + table)
+
+
+def machine_and_load(load: str) -> str:
+    """The machine, and the load average ``load`` at the end of the run."""
+    noisy = f"load average {load} at the end (a shared machine: times are noisy)"
+    return machine_sentence(["torch"], [noisy])
 
 
 def main() -> None:
@@ -1025,15 +1037,10 @@ def main() -> None:
         if kind == "mlp" and args.cg_tolerances and "damping" in study and not args.quick:
             study_lines = cg_tolerance_study(study, args.cg_tolerances)
     lines = []
+    header = ["method", "chosen on even subsets", "LDS (odd subsets)", "seconds"]
     for kind, rows in all_rows.items():
-        lines += [
-            f"### {TITLES[kind]}",
-            "",
-            "| method | chosen on even subsets | LDS (odd subsets) | seconds |",
-            "| --- | --- | --- | --- |",
-        ]
-        lines += [f"| {n} | {c} | {v:.3f} | {s:.1f} |" for n, c, v, s in rows]
-        lines.append("")
+        cells = [[n, c, f"{v:.3f}", f"{s:.1f}"] for n, c, v, s in rows]
+        lines += [f"### {TITLES[kind]}", "", markdown_table(header, cells), ""]
     if study_lines:
         lines += ["### CG's tolerance on the MLP (trained to convergence)", "", *study_lines, ""]
     verdict = trak_verdict(all_rows)
@@ -1044,22 +1051,18 @@ def main() -> None:
     load = load_average()
     print(f"load average at the end: {load}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         header = (
-            f"# attribution_lds.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, load average {load} at the end "
-            f"(a shared machine: times are noisy), "
-            f"{datetime.date.today().isoformat()}. {N_TRAIN} training digits, {N_TARGET} "
-            f"targets, {N_SUBSETS} half-size subsets (32 to choose the damping, 32 to score), "
-            f"projection dimension {PROJ} (factored: {FACTORED_DIMS[0]}x{FACTORED_DIMS[1]} per "
-            f"weight, biases to {OTHER_DIM}), L2 {L2}. Damping grids: CG {CG_GRID}, exact "
+            f"# attribution_lds.py\n\n{machine_and_load(load)}. {N_TRAIN} training digits, "
+            f"{N_TARGET} targets, {N_SUBSETS} half-size subsets (32 to choose the damping, 32 to "
+            f"score), projection dimension {PROJ} (factored: "
+            f"{FACTORED_DIMS[0]}x{FACTORED_DIMS[1]} per weight, biases to {OTHER_DIM}), L2 {L2}. "
+            f"Damping grids: CG {CG_GRID}, exact "
             f"{EXACT_GRID}, LiSSA {LISSA_GRID}, K-FAC / EK-FAC L2 + {KFAC_GRID}, TRAK "
             f"{TRAK_GRID}; a choice at a grid's edge is marked. Seconds: the chosen damping's "
             f"solve for CG and LiSSA, the whole grid for the others (one factorisation or one "
             f"set of features for all its values); JAX's include tracing.\n\n"
         )
-        with open(os.path.join(args.out, "attribution_lds.md"), "w") as f:
-            f.write(header + table)
+        write_text(os.path.join(args.out, "attribution_lds.md"), header + table)
         plot(all_rows, os.path.join(args.out, "attribution_lds.png"))
 
 

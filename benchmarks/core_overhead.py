@@ -23,10 +23,6 @@ pergrad's gradients and the loop's); ``--out PATH`` also writes it with a machin
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +37,10 @@ from torch import nn
 from torch.func import functional_call
 
 import pergrad
-from pergrad.bench.machine import cpu_model, load_average
-from pergrad.bench.report import markdown_table
-from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench import machine
+from pergrad.bench.methods import to_numpy
+from pergrad.bench.report import markdown_table, publish, titled
+from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 from pergrad.bench.workloads import MLP, SimpleCNN, jax_cnn_log_probs, jax_mlp_log_probs
 
 Grads = dict[str, Any]  # parameter name -> per-example gradients, leading axis B
@@ -150,19 +147,11 @@ def jax_methods(workload: Workload, weights: Grads, x: np.ndarray, y: np.ndarray
 
 
 # --------------------------------------------------------------------------------------------
-# Shared: timing, correctness, tables.
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    return x.detach().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+# Correctness and tables.
 
 
 def max_abs_diff(a: Grads, b: Grads) -> float:
     return max(float(np.max(np.abs(to_numpy(a[k]) - to_numpy(b[k])))) for k in a)
-
-
-def median_ms(seconds: list[float]) -> float:
-    return 1e3 * statistics.median(seconds)
 
 
 @dataclass
@@ -232,20 +221,16 @@ def report(results: list[WorkloadResult], rounds: int) -> str:
 
 
 def machine_header(args: argparse.Namespace, rounds: int, load_at_start: str) -> str:
-    cpu = cpu_model()
-    command = " ".join(["python", *sys.argv])
-    return "\n".join(
+    return titled(
+        "pergrad core overhead (CPU)",
         [
-            "# pergrad core overhead (CPU)",
-            "",
-            f"- machine: {cpu}, {os.cpu_count()} cores; torch threads: {torch.get_num_threads()}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, "
-            f"jax {jax.__version__}, numpy {np.__version__}, pergrad {pergrad.__version__}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- load average (1, 5, 15 min): {load_at_start} at the start, "
-            f"{load_average()} at the end",
-            f"- command: `{command}` ({'quick' if args.quick else 'full'} mode, {rounds} rounds)",
-        ]
+            f"machine: {machine.cpu_and_cores()}; torch threads: {torch.get_num_threads()}",
+            machine.software("torch", "jax", "numpy", "pergrad"),
+            f"date: {machine.timestamp()}",
+            f"load average (1, 5, 15 min): {machine.load_span(load_at_start)}",
+            f"command: `{machine.command_line()}` ({'quick' if args.quick else 'full'} mode, "
+            f"{rounds} rounds)",
+        ],
     )
 
 
@@ -282,18 +267,14 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown, with a machine header, here")
     args = parser.parse_args()
     rounds, warmup = (3, 1) if args.quick else (15, 2)
-    load_at_start = load_average()
+    load_at_start = machine.load_average()
     results = []
     for workload in WORKLOADS:
         batch_size = workload.quick_batch_size if args.quick else workload.batch_size
         print(f"timing {workload.name} (B={batch_size}, {rounds} rounds)...", file=sys.stderr)
         results.append(run_workload(workload, batch_size, rounds, warmup))
     text = report(results, rounds)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(machine_header(args, rounds, load_at_start) + "\n\n" + text + "\n")
+    publish(text, args.out, lambda: machine_header(args, rounds, load_at_start))
 
 
 if __name__ == "__main__":

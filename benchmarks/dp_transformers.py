@@ -46,25 +46,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import datetime
+import functools
 import gc
 import math
-import multiprocessing
 import os
 import platform
-import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from pergrad.bench.machine import cpu_model, load_average
-from pergrad.bench.memory import reset_peak, status_mib
-from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench import machine
+from pergrad.bench.child import ChildFailed, run_in_child
+from pergrad.bench.memory import free_buffers_to_the_os, peak_rss_over, status_mib
+from pergrad.bench.report import error_summary, fmt, markdown_table, publish, titled
+from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
 METHODS = ("non-private", "pergrad DP", "pergrad low-memory", "Opacus hooks", "Opacus ghost")
 PERGRAD = {"pergrad DP": "auto", "pergrad low-memory": "ghost-lowmem"}  # method -> strategy
@@ -370,9 +368,8 @@ def opacus_step(
 def failure(error: BaseException) -> str:
     """``refuses: <class>: <message>`` for Opacus's refusal of tied parameters, else
     ``fails: ...``; the first line of the message, at most 160 characters."""
-    message = (str(error).strip().splitlines() or [""])[0][:160]
-    verb = "refuses" if "tying is not supported" in message else "fails"
-    return f"{verb}: {type(error).__name__}: {message}"
+    summary = error_summary(error)
+    return f"{'refuses' if 'tying is not supported' in summary else 'fails'}: {summary}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,22 +458,22 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
     building the model, the batch and the optimizer."""
     if not os.path.exists("/proc/self/clear_refs"):
         return {"failed": "not measured: needs Linux's /proc/self/clear_refs"}
-    return_freed_buffers_to_the_os()
+    free_buffers_to_the_os()
     warnings.simplefilter("ignore")
     inventory: dict[str, Any] = {}
+
+    def later_steps() -> None:
+        for _ in range(MEMORY_LATER_STEPS):
+            step.call()
+
     try:
         step = build_step(method, workload, config)
         gc.collect()
         baseline = status_mib("VmRSS")
-        reset_peak()
-        step.call()
-        first = status_mib("VmHWM") - baseline
+        first = peak_rss_over(step.call) - baseline
         gc.collect()
-        reset_peak()
         with recorded_bytes(inventory) if method == "pergrad DP" else contextlib.nullcontext():
-            for _ in range(MEMORY_LATER_STEPS):
-                step.call()
-        later = status_mib("VmHWM") - baseline
+            later = peak_rss_over(later_steps) - baseline
     except Exception as error:
         return {"failed": failure(error)}
     return {"first_mib": first, "later_mib": later, "baseline_mib": baseline, **inventory}
@@ -488,9 +485,9 @@ def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
     pass until every layer's norm is known, summed into ``inventory`` (MiB, each storage once):
     the output gradients (and the largest layer's), and the layer inputs (partly tensors that
     autograd keeps anyway, for the backward pass)."""
-    from pergrad._src.strategies import ghost_torch
+    from pergrad._src.capture import torch_quantities  # where the ghost step reads its records
 
-    per_layer = ghost_torch._per_layer
+    per_layer = torch_quantities._per_layer
 
     def counting(modules: Any, records: Any, *args: Any) -> Any:
         if not inventory:
@@ -512,51 +509,33 @@ def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
             inventory["largest_grad_record"] = (largest[0], largest[1] / 2**20)
         return per_layer(modules, records, *args)
 
-    ghost_torch._per_layer = counting
+    torch_quantities._per_layer = counting
     try:
         yield
     finally:
-        ghost_torch._per_layer = per_layer
+        torch_quantities._per_layer = per_layer
 
 
 def nbytes(x: Any) -> int:
     return x.untyped_storage().nbytes()
 
 
-def return_freed_buffers_to_the_os() -> None:
-    """glibc: buffers over 64 KiB are mapped and unmapped on their own, so a freed activation
-    leaves the resident set and the next step's peak is its own (as MALLOC_MMAP_THRESHOLD_)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-
-
 def in_child(job: Callable[..., dict[str, Any]], *args: Any, threads: int | None) -> dict[str, Any]:
-    """``job(*args)`` in a forked process: its memory is its own; a crash is a result."""
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-
-    def run() -> None:
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        send.send(job(*args))
-
-    child = context.Process(target=run)
-    child.start()
-    send.close()
-    if not receive.poll(JOB_TIMEOUT_S):
-        child.kill()
-        child.join()
-        return {"failed": f"fails: no result in {JOB_TIMEOUT_S} s"}
+    """``job(*args)`` in a process forked from this one (on ``threads`` torch threads, when
+    given): its memory is its own; a crash is a result."""
     try:
-        result = receive.recv()
-    except EOFError:
-        result = None
-    child.join()
-    if result is None:
-        return {"failed": f"fails: the process died (exit code {child.exitcode})"}
-    return result
+        call = functools.partial(on_threads, threads, job, *args)
+        return run_in_child(call, fork=True, timeout=JOB_TIMEOUT_S)
+    except ChildFailed as error:
+        return {"failed": f"fails: {error.reason}"}
+
+
+def on_threads(threads: int | None, job: Callable[..., Any], *args: Any) -> Any:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return job(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,7 +563,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         row["strategy"] = timed.get("strategy", {}).get(method, "")
         row["failed"] = timed["failed"].get(method) or timed["failed"].get(BASE)
         if method in times:
-            row["ms"] = 1e3 * statistics.median(times[method])
+            row["ms"] = median_ms(times[method])
             row["time_ratio"] = paired_ratio(times[method], times[BASE])
         mem = memory[method]
         if "first_mib" in mem:
@@ -598,24 +577,17 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| workload | method | pergrad strategy | step ms | time / non-private | extra MiB, "
-        "first step | extra MiB, later steps | memory / non-private | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    columns = ["workload", "method", "pergrad strategy", "step ms", "time / non-private"]
+    columns += ["extra MiB, first step", "extra MiB, later steps", "memory / non-private", "note"]
+    cells = [
+        [r["workload"].name, r["method"], r["strategy"], fmt(r.get("ms"), ".0f", missing="—")]
+        + [fmt(r.get("time_ratio"), ".2f", "x", missing="—")]
+        + [fmt(r.get(key), ".0f", missing="—") for key in ("first_mib", "later_mib")]
+        + [fmt(r.get("memory_ratio"), ".2f", "x", missing="—"), r["failed"] or ""]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload'].name} | {r['method']} | {r['strategy']} | "
-            f"{fmt(r.get('ms'), '.0f')} | {fmt(r.get('time_ratio'), '.2f', 'x')} | "
-            f"{fmt(r.get('first_mib'), '.0f')} | {fmt(r.get('later_mib'), '.0f')} | "
-            f"{fmt(r.get('memory_ratio'), '.2f', 'x')} | {r['failed'] or ''} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def goal_summary(rows: list[dict[str, Any]]) -> str:
@@ -635,10 +607,13 @@ def goal_summary(rows: list[dict[str, Any]]) -> str:
         time_ok = r.get("time_ratio") is not None and r["time_ratio"] <= GOAL_TIME
         memory_ok = r.get("memory_ratio") is not None and r["memory_ratio"] <= GOAL_MEMORY
         verdict = "met" if time_ok and memory_ok else "NOT met"
+        time_ratio, memory_ratio, later_ratio = (
+            fmt(r.get(key), ".2f", "x", missing="—")
+            for key in ("time_ratio", "memory_ratio", "later_ratio")
+        )
         lines.append(
-            f"- {name}: {verdict} (time {fmt(r.get('time_ratio'), '.2f', 'x')}, "
-            f"memory {fmt(r.get('memory_ratio'), '.2f', 'x')}, of the later steps alone "
-            f"{fmt(r.get('later_ratio'), '.2f', 'x')}; strategy {r['strategy'] or '—'})."
+            f"- {name}: {verdict} (time {time_ratio}, memory {memory_ratio}, of the later steps "
+            f"alone {later_ratio}; strategy {r['strategy'] or '—'})."
         )
     return "\n".join(lines)
 
@@ -747,9 +722,6 @@ def panel(
 def header(args: argparse.Namespace, config: Config) -> str:
     import torch
 
-    packages = ", ".join(
-        f"{name} {version(name)}" for name in ("torch", "transformers", "opacus", "pergrad")
-    )
     sizes = (
         f"{config.layers} layers, width {config.width} (ViT {config.vit_width}), "
         f"{config.heads} heads, MLP 4x width (Llama's gated), vocabulary {config.vocab}, "
@@ -757,24 +729,20 @@ def header(args: argparse.Namespace, config: Config) -> str:
         f"no dropout, training mode; max_norm {MAX_NORM}, noise_multiplier {NOISE}, "
         f"torch.optim.SGD"
     )
-    return "\n".join(
+    models = "GPT-2 small" if args.gpt2_small else "small transformers"
+    threads = args.threads or torch.get_num_threads()
+    return titled(
+        f"DP-SGD step cost on {models}: pergrad and Opacus (CPU)",
         [
-            f"# DP-SGD step cost on {'GPT-2 small' if args.gpt2_small else 'small transformers'}"
-            f": pergrad and Opacus (CPU)",
-            "",
-            f"- machine: {cpu_model()}, {os.cpu_count()} cores, torch threads "
-            f"{args.threads or torch.get_num_threads()}; {platform.system()}, python "
-            f"{platform.python_version()}, {packages}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
-            f"{load_average()} at the end",
-            f"- models: {sizes}; T = tokens per example, B = batch size",
-            f"- time: median of {args.rounds} interleaved rounds after a warm-up step; memory: "
+            f"machine: {machine.cpu_and_cores()}, torch threads {threads}; {platform.system()}, "
+            + machine.software("torch", "transformers", "opacus", "pergrad"),
+            f"date: {machine.timestamp()}; load average {machine.load_average()} at the end",
+            f"models: {sizes}; T = tokens per example, B = batch size",
+            f"time: median of {args.rounds} interleaved rounds after a warm-up step; memory: "
             f"each method in its own process, peak RSS above the RSS after building the model, "
             f"batch and optimizer, over the first step and over {MEMORY_LATER_STEPS} later ones",
-            f"- command: `python benchmarks/dp_transformers.py {' '.join(sys.argv[1:])}`",
-            "",
-            "",
-        ]
+            f"command: `{machine.command_line()}`",
+        ],
     )
 
 
@@ -844,10 +812,8 @@ def main() -> None:
     agreed = in_child(agreement, QUICK, threads=args.threads)
     default_ids = in_child(with_default_ids, QUICK, threads=args.threads)
     text = "\n\n".join([table(rows), goal_summary(rows), notes(results, agreed, default_ids)])
-    print(text)
+    publish(text, args.out, lambda: header(args, config))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(header(args, config) + text + "\n")
         plot(rows, args.out.with_suffix(".png"))
 
 

@@ -47,7 +47,7 @@ to the non-private step. Memory, two views:
 
 * XLA's own: the compiled step's temporary buffers (``memory_analysis().temp_size_in_bytes``),
   exact and free of noise;
-* the process's: each (workload, method) in a fresh process of this script, which compiles its
+* the process's: each (workload, method) in a fresh process (``run_in_child``), which compiles its
   step (from a compilation cache the timing process filled), reads its resident memory (the
   baseline), resets the peak (``/proc/self/clear_refs``, Linux) and takes a first step and then
   one more; extra memory = peak RSS - baseline, the larger of the two is compared with the
@@ -64,25 +64,22 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
-import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from pergrad.bench.machine import cpu_model, load_average
-from pergrad.bench.memory import reset_peak, status_mib
-from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench import machine
+from pergrad.bench.child import ChildFailed, run_in_child
+from pergrad.bench.memory import FREED_BUFFERS_TO_THE_OS, peak_rss_over, status_mib
+from pergrad.bench.report import error_summary, fmt, markdown_table, publish, titled
+from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
 MODELS = ("flax linen", "flax linen untied", "flax NNX")
 METHODS = (
@@ -398,12 +395,11 @@ def relative_difference(got: list[Any], want: list[Any]) -> float:
 
 def failure(error: BaseException) -> str:
     """``fails: <class>: <message>``, the message's first line, at most 160 characters."""
-    message = (str(error).strip().splitlines() or [""])[0][:160]
-    return f"fails: {type(error).__name__}: {message}"
+    return f"fails: {error_summary(error)}"
 
 
 # --------------------------------------------------------------------------------------------
-# The jobs, each in a fresh process of this script.
+# The jobs, each in a fresh process (pergrad.bench.child.run_in_child).
 
 
 def time_job(model: str, config: Config, rounds: int) -> dict[str, Any]:
@@ -456,37 +452,25 @@ def memory_job(model: str, config: Config, method: str) -> dict[str, Any]:
         return {"failed": "not measured: needs Linux's /proc/self/clear_refs"}
     step = build_step(method, workload(model, config))
     baseline = status_mib("VmRSS")
-    reset_peak()
-    step.call()
-    first = status_mib("VmHWM") - baseline
-    reset_peak()
-    step.call()
-    later = status_mib("VmHWM") - baseline
+    first = peak_rss_over(step.call) - baseline
+    later = peak_rss_over(step.call) - baseline
     return {"first_mib": first, "later_mib": later, "baseline_mib": baseline}
 
 
 def run_job(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:
-    """``job`` in a fresh process of this script; its result, or why there is none."""
-    command = [sys.executable, __file__, "--job", json.dumps(job), "--cache-dir", cache_dir]
-    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    """``job`` in a fresh process; its result, or why there is none."""
+    env = dict(FREED_BUFFERS_TO_THE_OS)
     if job["quick"]:  # a smoke test: compile fast, as the steps' speed does not matter
         flags = os.environ.get("XLA_FLAGS", "")
         env["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env
-        )
-    except subprocess.TimeoutExpired:
-        return {"failed": f"fails: no result in {JOB_TIMEOUT_S} s"}
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
-        return {"failed": f"fails: the process exited with {done.returncode}: {last}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return run_in_child(job_main, job, cache_dir, env=env, timeout=JOB_TIMEOUT_S)
+    except ChildFailed as error:
+        return {"failed": f"fails: {error.reason}"}
 
 
-def job_main(job: dict[str, Any], cache_dir: str) -> None:
-    """A job's process: the compilation cache shared with the other jobs, the job, its result
-    as the last line of the output."""
+def job_main(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:
+    """A job's process: the compilation cache shared with the other jobs, then the job."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -496,13 +480,11 @@ def job_main(job: dict[str, Any], cache_dir: str) -> None:
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # compiles faster
     config = QUICK if job["quick"] else FULL
     if job["kind"] == "time":
-        result = time_job(job["model"], config, job["rounds"])
-    else:
-        try:
-            result = memory_job(job["model"], config, job["method"])
-        except Exception as error:
-            result = {"failed": failure(error)}
-    print(json.dumps(result))
+        return time_job(job["model"], config, job["rounds"])
+    try:
+        return memory_job(job["model"], config, job["method"])
+    except Exception as error:
+        return {"failed": failure(error)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,7 +520,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         row["strategy"] = timed.get("strategy", {}).get(method, "")
         row["failed"] = timed["failed"].get(method) or ""
         if method in times:
-            row["ms"] = 1e3 * statistics.median(times[method])
+            row["ms"] = median_ms(times[method])
             row["time_ratio"] = paired_ratio(times[method], times[BASE])
         temp = timed.get("temp_mib", {}).get(method)
         if temp is not None and method in times:
@@ -554,28 +536,23 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| model | method | pergrad strategy | step ms | time / non-private | extra MiB, first "
-        "step | extra MiB, later step | memory / non-private | XLA temp MiB | XLA temp / "
-        "non-private | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    columns = ["model", "method", "pergrad strategy", "step ms", "time / non-private"]
+    columns += ["extra MiB, first step", "extra MiB, later step", "memory / non-private"]
+    columns += ["XLA temp MiB", "XLA temp / non-private", "note"]
+    cells = []
     for r in rows:
-        ms = r.get("ms", math.nan)
-        ms_text = fmt(ms, ".0f" if ms >= 10 else ".2f")  # the quick run's steps take 1 ms
-        lines.append(
-            f"| {r['model']} | {r['method']} | {r['strategy']} | {ms_text} | "
-            f"{fmt(r.get('time_ratio'), '.2f', 'x')} | {fmt(r.get('first_mib'), '.0f')} | "
-            f"{fmt(r.get('later_mib'), '.0f')} | {fmt(r.get('memory_ratio'), '.2f', 'x')} | "
-            f"{fmt(r.get('temp_mib'), '.0f')} | {fmt(r.get('temp_ratio'), '.2f', 'x')} | "
-            f"{r['failed']} |"
+        ms = r.get("ms")
+        ms_spec = ".0f" if ms is not None and ms >= 10 else ".2f"  # quick steps take 1 ms
+        cells.append(
+            [r["model"], r["method"], r["strategy"], fmt(ms, ms_spec, missing="—")]
+            + [fmt(r.get("time_ratio"), ".2f", "x", missing="—")]
+            + [fmt(r.get(key), ".0f", missing="—") for key in ("first_mib", "later_mib")]
+            + [fmt(r.get("memory_ratio"), ".2f", "x", missing="—")]
+            + [fmt(r.get("temp_mib"), ".0f", missing="—")]
+            + [fmt(r.get("temp_ratio"), ".2f", "x", missing="—"), r["failed"]]
         )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def goal_summary(rows: list[dict[str, Any]]) -> str:
@@ -591,10 +568,13 @@ def goal_summary(rows: list[dict[str, Any]]) -> str:
         time_ok = r["time_ratio"] <= GOAL_TIME
         memory_ok = r.get("memory_ratio") is not None and r["memory_ratio"] <= GOAL_MEMORY
         verdict = "met" if time_ok and memory_ok else "NOT met"
+        time_ratio, memory_ratio, temp_ratio = (
+            fmt(r.get(key), ".2f", "x", missing="—")
+            for key in ("time_ratio", "memory_ratio", "temp_ratio")
+        )
         lines.append(
-            f"- {r['model']}, {r['method']}: {verdict} (time {fmt(r['time_ratio'], '.2f', 'x')}, "
-            f"memory {fmt(r.get('memory_ratio'), '.2f', 'x')}, XLA temp "
-            f"{fmt(r.get('temp_ratio'), '.2f', 'x')}; strategy {r['strategy'] or '—'})."
+            f"- {r['model']}, {r['method']}: {verdict} (time {time_ratio}, memory "
+            f"{memory_ratio}, XLA temp {temp_ratio}; strategy {r['strategy'] or '—'})."
         )
     return "\n".join(lines)
 
@@ -616,11 +596,12 @@ def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], con
         )
         if "pergrad ghost" in times and REFERENCE in times:
             ghost, hand = by_key[(model, "pergrad ghost")], by_key[(model, REFERENCE)]
-            temp = (ghost.get("temp_mib") or math.nan) / (hand.get("temp_mib") or math.nan)
+            temps = ghost.get("temp_mib"), hand.get("temp_mib")
+            temp = temps[0] / temps[1] if all(temps) else None
             ratio = paired_ratio(times["pergrad ghost"], times[REFERENCE])
             line += (
-                f"; pergrad ghost takes {ratio:.2f}x "
-                f"the time of vmap by hand and {fmt(temp, '.2f', 'x')} its XLA temporary memory"
+                f"; pergrad ghost takes {ratio:.2f}x the time of vmap by hand and "
+                f"{fmt(temp, '.2f', 'x', missing='—')} its XLA temporary memory"
             )
         lines.append(line + ".")
     lines += [
@@ -647,38 +628,25 @@ def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], con
 
 
 def header(args: argparse.Namespace, config: Config) -> str:
-    names = ("jax", "jaxlib", "flax", "optax", "jax-privacy", "pergrad")
-    packages = ", ".join(f"{name} {installed(name)}" for name in names)
+    packages = machine.software("jax", "jaxlib", "flax", "optax", "jax-privacy", "pergrad")
     sizes = (
         f"{config.layers} layers, width {config.width}, {config.heads} heads, MLP 4x width, "
         f"vocabulary {config.vocab}, T = {config.length} tokens, B = {config.batch_size} "
         f"sequences; float32; max_norm {MAX_NORM}, noise_multiplier {NOISE}, optax.sgd"
     )
-    return "\n".join(
+    return titled(
+        "DP-SGD step cost on small JAX transformers: pergrad, by hand and jax-privacy (CPU)",
         [
-            "# DP-SGD step cost on small JAX transformers: pergrad, by hand and jax-privacy (CPU)",
-            "",
-            f"- machine: {cpu_model()}, {os.cpu_count()} cores; {platform.system()}, python "
-            f"{platform.python_version()}, {packages}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
-            f"{load_average()} at the end",
-            f"- models: {sizes}",
-            f"- time: median of {args.rounds} interleaved rounds of jitted steps, each compiled "
+            f"machine: {machine.cpu_and_cores()}; {platform.system()}, {packages}",
+            f"date: {machine.timestamp()}; load average {machine.load_average()} at the end",
+            f"models: {sizes}",
+            f"time: median of {args.rounds} interleaved rounds of jitted steps, each compiled "
             f"and run once first; memory: XLA's temporary buffers of the compiled step, and, "
             f"each method in its own process, peak RSS above the RSS with the step compiled, "
             f"over the first step and over a later one",
-            f"- command: `python benchmarks/dp_transformers_jax.py {' '.join(sys.argv[1:])}`",
-            "",
-            "",
-        ]
+            f"command: `{machine.command_line()}`",
+        ],
     )
-
-
-def installed(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def main() -> None:
@@ -687,12 +655,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", help=f"only these, comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--out", type=Path, help="write the markdown here")
-    parser.add_argument("--job", help=argparse.SUPPRESS)  # the jobs' processes
-    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.job:
-        job_main(json.loads(args.job), args.cache_dir)
-        return
     if args.quick:
         args.rounds = 2
     config = QUICK if args.quick else FULL
@@ -705,11 +668,8 @@ def main() -> None:
             rows += rows_of(results[-1])
             print(table([r for r in rows if r["model"] == model]), flush=True)
     text = "\n\n".join([table(rows), goal_summary(rows), what_it_shows(results, rows, config)])
-    print(text)
     print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(header(args, config) + text + "\n")
+    publish(text, args.out, lambda: header(args, config))
 
 
 if __name__ == "__main__":

@@ -22,30 +22,27 @@ batch of ``B`` sequences into ``(B, D)`` features of the same dimension ``D``:
   blocks, each in the table's own frame, so its ``B x V x width`` per-example gradient is never
   formed either (``D`` is smaller by one block: one table where there were two layers).
 
-Each method runs in a FRESH Python process (``--quick``: all in this process), builds the model
-and the batch, reads the resident memory (the baseline), runs once to warm up (the capture
-engine's first-call checks), resets the peak (``/proc/self/clear_refs``), then runs
-``--repeats`` times (default 1); it reports the median seconds, examples per second and the
-peak resident memory (``VmHWM``) of the timed calls. Extra memory = peak - baseline.
+Each method runs in a FRESH Python process (:func:`pergrad.bench.child.run_in_child`;
+``--quick``: all in this process), builds the model and the batch, reads the resident memory
+(the baseline), runs once to warm up (the capture engine's first-call checks), resets the peak
+(``/proc/self/clear_refs``), then runs ``--repeats`` times (default 1); it reports the median
+seconds, examples per second and the peak resident memory (``VmHWM``) of the timed calls. Extra
+memory = peak - baseline.
 ``--out PATH`` writes the table with the machine named.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench.child import run_in_child
+from pergrad.bench.machine import load_average
 from pergrad.bench.memory import reset_peak, status_mib
+from pergrad.bench.report import machine_sentence, markdown_table, publish
+from pergrad.bench.timing import time_interleaved
 
 METHODS = ("factored", "materialise then project", "factored, tied embeddings")
 K_IN, K_OUT = 8, 8
@@ -124,51 +121,34 @@ def featurizer(method: str, config: Config) -> Any:
     )
 
 
-def worker(method: str, config: Config, repeats: int) -> dict[str, Any]:
-    """Time and peak memory of one method, in this process."""
+def worker(method: str, config: dict[str, int], repeats: int) -> dict[str, Any]:
+    """Time and peak memory of one method, in this process (``config``: a ``Config``'s fields)."""
     import gc
     import warnings
 
     # torch.func's vmap over CPU attention falls back to a loop, with a warning per call
     warnings.filterwarnings("ignore", message="There is a performance drop")
-    run = featurizer(method, config)
+    run = featurizer(method, Config(**config))
     gc.collect()
     baseline = status_mib("VmRSS")  # Python, torch, the model and the batch
     features = run()  # warm-up: the capture engine's first-call checks
     gc.collect()
     reset_peak()  # the peak of the timed calls only
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        features = run()
-        seconds.append(time.perf_counter() - start)
-    median = statistics.median(seconds)
+    median = statistics.median(time_interleaved({method: run}, repeats, warmup=0)[method])
     return {
         "dim": int(features.shape[1]),
         "seconds": median,
-        "examples_per_s": config.batch_size / median,
+        "examples_per_s": config["batch_size"] / median,
         "peak_mb": status_mib("VmHWM"),
         "baseline_mb": baseline,
     }
 
 
 def measure(method: str, config: Config, repeats: int, fresh: bool) -> dict[str, Any]:
+    """``worker``'s measurement, in a fresh process when ``fresh``, else in this one."""
     if not fresh:
-        return worker(method, config, repeats)
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        method,
-        "--config",
-        json.dumps(asdict(config)),
-        "--repeats",
-        str(repeats),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{method} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return worker(method, asdict(config), repeats)
+    return run_in_child(worker, method, asdict(config), repeats)
 
 
 def num_params(config: Config) -> int:
@@ -178,18 +158,15 @@ def num_params(config: Config) -> int:
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     reference = results["materialise then project"]
-    lines = [
-        "| method | D | seconds per batch | examples/s | vs materialise | peak RSS MB | "
-        "extra MB (peak - baseline) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    columns = ["method", "D", "seconds per batch", "examples/s", "vs materialise", "peak RSS MB"]
+    columns.append("extra MB (peak - baseline)")
+    rows = [
+        [method, str(r["dim"]), f"{r['seconds']:.2f}", f"{r['examples_per_s']:.1f}"]
+        + [f"{reference['seconds'] / r['seconds']:.1f}x", f"{r['peak_mb']:.0f}"]
+        + [f"{r['peak_mb'] - r['baseline_mb']:.0f}"]
+        for method, r in results.items()
     ]
-    for method, r in results.items():
-        speedup = reference["seconds"] / r["seconds"]
-        lines.append(
-            f"| {method} | {r['dim']} | {r['seconds']:.2f} | {r['examples_per_s']:.1f} | "
-            f"{speedup:.1f}x | {r['peak_mb']:.0f} | {r['peak_mb'] - r['baseline_mb']:.0f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -198,12 +175,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch-size", type=int, help="sequences per batch (default 16)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", help="write the markdown table here, with a machine header")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker, Config(**json.loads(args.config)), args.repeats)))
-        return ""
     config = QUICK if args.quick else Config()
     if args.batch_size is not None:
         if args.batch_size < 1:
@@ -215,28 +187,21 @@ def main(argv: list[str] | None = None) -> str:
         results[method] = measure(method, config, repeats, fresh=not args.quick)
         print(f"  {method}: {results[method]}", flush=True)
     text = table(results)
-    print(text)
-    if args.out:
-        import torch
-        import transformers
-
-        header = (
-            f"# factored_projection.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, load average {load_average()}, "
-            f"{datetime.date.today().isoformat()}{' (quick run)' if args.quick else ''}.\n\n"
-            f"GPT-2 ({config.layers} layers, width {config.width}, {config.heads} heads, "
-            f"{config.length} tokens, vocabulary {config.vocab}, P = {num_params(config)} "
-            f"parameters untied), a batch of {config.batch_size} sequences, each method in "
-            f"{'this' if args.quick else 'a fresh'} process, median of {repeats} after a "
-            f"warm-up. factored: k_in = k_out = {K_IN}, other_dim = {config.other_dim}; "
-            f"materialise then project: per-example gradients (B, P), then a dense Gaussian "
-            f"projection to the same D.\n\n"
-        )
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(header + text + "\n")
+    publish(text, args.out, lambda: header(config, args.quick, repeats))
     return text
+
+
+def header(config: Config, quick: bool, repeats: int) -> str:
+    machine = machine_sentence(["torch", "transformers"], [f"load average {load_average()}"])
+    return (
+        f"# factored_projection.py\n\n{machine}{' (quick run)' if quick else ''}.\n\n"
+        f"GPT-2 ({config.layers} layers, width {config.width}, {config.heads} heads, "
+        f"{config.length} tokens, vocabulary {config.vocab}, P = {num_params(config)} "
+        f"parameters untied), a batch of {config.batch_size} sequences, each method in "
+        f"{'this' if quick else 'a fresh'} process, median of {repeats} after a warm-up. "
+        f"factored: k_in = k_out = {K_IN}, other_dim = {config.other_dim}; materialise then "
+        f"project: per-example gradients (B, P), then a dense Gaussian projection to the same D."
+    )
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Run:  python benchmarks/ghost_memory.py [--quick] [--batch-size B] [--out PATH]
 
 Workload: an MLP 1024-2048-2048-10 (6.3 M parameters) with cross-entropy, batch 192 by default,
 so that the materialised per-example gradients take B x P x 4 bytes = 4.5 GiB. For each framework
-and method it starts a FRESH Python process (so the peak resident memory, ``ru_maxrss``, is that
-method's alone), builds the model and the batch, reads the resident memory (the baseline: Python,
-the framework, parameters and data), runs the method once to warm up and then ``--repeats``
-times, and reports the median time and the peak resident memory. Methods:
+and method it starts a FRESH Python process (:func:`pergrad.bench.child.run_in_child`: the peak
+resident memory, ``ru_maxrss``, is that method's alone), builds the model and the batch, reads
+the resident memory (the baseline: Python, the framework, parameters and data), runs the method
+once to warm up and then ``--repeats`` times, and reports the median time and the peak resident
+memory. Methods:
 
 * ``batch grad``: one gradient of the summed loss over the batch: the floor, in time and memory;
 * ``<task> / <strategy>`` for task ``norms`` (:func:`per_example_norms_of`) and ``clipped sum``
@@ -24,19 +25,14 @@ It prints a markdown table; ``--out PATH`` also writes it with a machine header.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import resource
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-from pergrad.bench.machine import cpu_model
+from pergrad.bench import machine
+from pergrad.bench.child import run_in_child
+from pergrad.bench.memory import max_rss_mib
+from pergrad.bench.report import markdown_table, publish, titled
+from pergrad.bench.timing import median_ms, time_interleaved
 
 WIDTHS = (1024, 2048, 2048, 10)
 STRATEGIES = ("materialize", "chunked", "ghost")
@@ -53,10 +49,6 @@ def num_params(widths: tuple[int, ...]) -> int:
     return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
 # --------------------------------------------------------------------------------------------
 # Workers: one method in this process.
 
@@ -67,7 +59,8 @@ def torch_method(method: str, batch_size: int) -> Callable[[], Any]:
     from torch import nn
 
     import pergrad
-    from pergrad._src.core.reductions import clipped_sum_of, per_example_norms_of
+    from pergrad.dp import clipped_sum_of
+    from pergrad.norms import per_example_norms_of
 
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -98,7 +91,8 @@ def jax_method(method: str, batch_size: int) -> Callable[[], Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pergrad._src.core.reductions import clipped_sum_of, per_example_norms_of
+    from pergrad.dp import clipped_sum_of
+    from pergrad.norms import per_example_norms_of
 
     rng = np.random.default_rng(0)
     params = [
@@ -136,26 +130,19 @@ def jax_method(method: str, batch_size: int) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(compiled(params, x, y))
 
 
-def worker(framework: str, method: str, batch_size: int, repeats: int) -> None:
+def worker(framework: str, method: str, batch_size: int, repeats: int) -> dict[str, float]:
+    """One method in this process: its median and min ms, the process's peak resident memory
+    (MB) and that before the first call (the baseline)."""
     make = torch_method if framework == "torch" else jax_method
     run = make(method, batch_size)
-    baseline = peak_rss_mb()
-    run()  # warm-up (and JAX compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    print(
-        json.dumps(
-            {
-                "median_ms": 1e3 * statistics.median(times),
-                "min_ms": 1e3 * min(times),
-                "peak_mb": peak_rss_mb(),
-                "baseline_mb": baseline,
-            }
-        )
-    )
+    baseline = max_rss_mib()
+    times = time_interleaved({method: run}, repeats, warmup=1)[method]  # JAX compiles in warm-up
+    return {
+        "median_ms": median_ms(times),
+        "min_ms": 1e3 * min(times),
+        "peak_mb": max_rss_mib(),
+        "baseline_mb": baseline,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,40 +152,26 @@ def worker(framework: str, method: str, batch_size: int, repeats: int) -> None:
 def measure(
     framework: str, method: str, batch_size: int, repeats: int, threads: int
 ) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    """``worker`` in a fresh process on ``threads`` threads: its peak memory is its own."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if threads == 1:
         env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    command = [
-        sys.executable,
-        __file__,
-        "--worker",
-        framework,
-        method,
-        "--batch-size",
-        str(batch_size),
-        "--repeats",
-        str(repeats),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{framework} {method} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_child(worker, framework, method, batch_size, repeats, env=env)
 
 
 def table(results: dict[tuple[str, str], dict[str, Any]], notes: list[str]) -> str:
-    lines = [
-        "| framework | method | median ms | / batch grad | peak RSS MB | peak / batch grad's | "
-        "extra MB (peak - baseline) | extra / batch grad's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = ["framework", "method", "median ms", "/ batch grad", "peak RSS MB"]
+    header += ["peak / batch grad's", "extra MB (peak - baseline)", "extra / batch grad's"]
+    rows = []
     for (framework, method), r in results.items():
         floor = results[(framework, BATCH_GRAD)]
         extra = r["peak_mb"] - r["baseline_mb"]
         floor_extra = max(floor["peak_mb"] - floor["baseline_mb"], 1.0)
-        lines.append(
-            f"| {framework} | {method} | {r['median_ms']:.1f} | "
-            f"{r['median_ms'] / floor['median_ms']:.2f}x | {r['peak_mb']:.0f} | "
-            f"{r['peak_mb'] / floor['peak_mb']:.2f}x | {extra:.0f} | {extra / floor_extra:.1f}x |"
+        rows.append(
+            [framework, method, f"{r['median_ms']:.1f}"]
+            + [f"{r['median_ms'] / floor['median_ms']:.2f}x", f"{r['peak_mb']:.0f}"]
+            + [f"{r['peak_mb'] / floor['peak_mb']:.2f}x", f"{extra:.0f}"]
+            + [f"{extra / floor_extra:.1f}x"]
         )
     notes = notes + [
         "Peak RSS: the process's maximum resident memory (ru_maxrss); baseline: after building "
@@ -206,32 +179,22 @@ def table(results: dict[tuple[str, str], dict[str, Any]], notes: list[str]) -> s
         "method needs on top of its inputs. Ghost and chunked never hold B x P numbers; "
         "materialize does (torch.func also keeps a second copy while it reduces)."
     ]
-    return "\n".join(lines + [""] + notes)
+    return "\n".join([markdown_table(header, rows), "", *notes])
 
 
-def header(args: argparse.Namespace, params: int) -> str:
-    import jax
-    import torch
-
-    load = os.getloadavg()
-    return "\n".join(
+def machine_header(args: argparse.Namespace, params: int) -> str:
+    return titled(
+        "Per-example norms and clipped sums: memory and time by strategy (CPU)",
         [
-            "# Per-example norms and clipped sums: memory and time by strategy (CPU)",
-            "",
-            f"- machine: {cpu_model()}, {os.cpu_count()} cores; "
-            f"threads per framework: {args.threads}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, "
-            f"jax {jax.__version__}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
-            f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} at the end",
-            f"- workload: MLP {'-'.join(map(str, WIDTHS))} ({params / 1e6:.1f} M parameters), "
+            f"machine: {machine.cpu_and_cores()}; threads per framework: {args.threads}",
+            machine.software("torch", "jax"),
+            f"date: {machine.timestamp()}; load average {machine.load_average()} at the end",
+            f"workload: MLP {'-'.join(map(str, WIDTHS))} ({params / 1e6:.1f} M parameters), "
             f"cross-entropy, batch {args.batch_size}; B x P x 4 bytes = "
             f"{args.batch_size * params * 4 / 2**30:.1f} GiB; {args.repeats} timed runs after "
             f"one warm-up, each method in a fresh process",
-            f"- command: `python benchmarks/ghost_memory.py {' '.join(sys.argv[1:])}`",
-            "",
-            "",
-        ]
+            f"command: `{machine.command_line()}`",
+        ],
     )
 
 
@@ -250,15 +213,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="batch 8, one run: a smoke test")
     parser.add_argument("--out", help="also write the table, with a machine header, here")
-    parser.add_argument(
-        "--worker", nargs=2, metavar=("FRAMEWORK", "METHOD"), help=argparse.SUPPRESS
-    )
     args = parser.parse_args()
     if args.quick:
         args.batch_size, args.repeats = 8, 1
-    if args.worker:
-        worker(*args.worker, args.batch_size, args.repeats)
-        return
     params = num_params(WIDTHS)
     materialized_gb = args.batch_size * params * 4 / 2**30
     results, notes = {}, []
@@ -275,10 +232,7 @@ def main() -> None:
             )
             print(framework, method, results[(framework, method)], flush=True)
     text = table(results, notes)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(header(args, params) + text + "\n")
+    publish(text, args.out, lambda: machine_header(args, params))
 
 
 if __name__ == "__main__":

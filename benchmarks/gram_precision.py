@@ -13,16 +13,13 @@ the layer's own forward pass as the unit of cost, and what pergrad's per-layer c
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
-import time
+import functools
 
 import torch
 
 from pergrad._src.capture import torch_layers
-from pergrad.bench.machine import cpu_model
+from pergrad.bench.report import markdown_table, publish, sentence_header
+from pergrad.bench.timing import median_ms, time_interleaved
 
 SHAPES = [
     (16, 128, 256, 256),
@@ -56,48 +53,32 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown, with a machine header, here")
     args = parser.parse_args()
     torch.manual_seed(0)
-    lines = [
-        "| B | T | in | out | float32 Gram ms | float64 Gram ms | formed ms | layer forward ms "
-        "| float64 / float32 | float64 / forward | pergrad takes | pergrad ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = ["B", "T", "in", "out", "float32 Gram ms", "float64 Gram ms", "formed ms"]
+    header += ["layer forward ms", "float64 / float32", "float64 / forward", "pergrad takes"]
+    header.append("pergrad ms")
+    rows = []
     for batch, length, width_in, width_out in SHAPES:
         a = torch.randn(batch, 1, length, width_in)
         d = torch.randn(batch, 1, length, width_out)
         w = torch.randn(width_in, width_out)
         methods = {
-            "f32": (float32_gram, (a, d)),
-            "f64": (float64_gram, (a, d)),
-            "pergrad": (torch_layers.outer_product_squared_norms, (a, d)),
-            "formed": (formed, (a, d)),
-            "forward": (torch.matmul, (a, w)),
+            "f32": functools.partial(float32_gram, a, d),
+            "f64": functools.partial(float64_gram, a, d),
+            "pergrad": functools.partial(torch_layers.outer_product_squared_norms, a, d),
+            "formed": functools.partial(formed, a, d),
+            "forward": functools.partial(torch.matmul, a, w),
         }
-        times: dict[str, list[float]] = {name: [] for name in methods}
-        for fn, operands in methods.values():
-            fn(*operands)
-        for _ in range(args.rounds):
-            for name, (fn, operands) in methods.items():
-                start = time.perf_counter()
-                fn(*operands)
-                times[name].append(time.perf_counter() - start)
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        lines.append(
-            f"| {batch} | {length} | {width_in} | {width_out} | {ms['f32']:.2f} | {ms['f64']:.2f} "
-            f"| {ms['formed']:.2f} | {ms['forward']:.2f} | {ms['f64'] / ms['f32']:.2f} "
-            f"| {ms['f64'] / ms['forward']:.2f} "
-            f"| {'Gram' if torch_layers.gram_is_cheaper(length, width_in, width_out) else 'formed'} "
-            f"| {ms['pergrad']:.2f} |"
+        times = time_interleaved(methods, args.rounds, warmup=1)
+        ms = {name: median_ms(t) for name, t in times.items()}
+        taken = "Gram" if torch_layers.gram_is_cheaper(length, width_in, width_out) else "formed"
+        rows.append(
+            [str(batch), str(length), str(width_in), str(width_out)]
+            + [f"{ms[name]:.2f}" for name in ("f32", "f64", "formed", "forward")]
+            + [f"{ms['f64'] / ms['f32']:.2f}", f"{ms['f64'] / ms['forward']:.2f}", taken]
+            + [f"{ms['pergrad']:.2f}"]
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        header = (
-            f"# gram_precision.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, "
-            f"{datetime.date.today().isoformat()}.\n\n"
-        )
-        with open(args.out, "w") as f:
-            f.write(header + table + "\n")
+    table = markdown_table(header, rows)
+    publish(table, args.out, lambda: sentence_header("gram_precision.py", ["torch"]))
 
 
 if __name__ == "__main__":

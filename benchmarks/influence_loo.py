@@ -22,11 +22,7 @@ machine header.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import sys
-import time
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench import machine
+from pergrad.bench.report import markdown_table, publish, titled
+from pergrad.bench.timing import timed
 
 L2 = 1e-2  # weight of (L2 / 2) |w|^2 in every example's loss
 N_TRAIN, N_LOO, SEED = 250, 50, 0
@@ -198,11 +196,11 @@ def run(quick: bool = False, frameworks: tuple[str, ...] = ("torch", "jax")) -> 
         predicted_scores(framework, data, loo.theta, "exact")  # warm-up: imports, first traces
         exact = None
         for name, solver in solvers(quick).items():
-            start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # non-convergence shows in the numbers
-                scores = predicted_scores(framework, data, loo.theta, solver)
-            seconds = time.perf_counter() - start
+                scores, seconds = timed(
+                    functools.partial(predicted_scores, framework, data, loo.theta, solver)
+                )
             exact = scores if exact is None else exact
             predicted = scores[loo.removed] / len(data.x_train)
             rows.append(
@@ -219,35 +217,25 @@ def run(quick: bool = False, frameworks: tuple[str, ...] = ("torch", "jax")) -> 
 
 
 def table(rows: list[Row]) -> str:
-    lines = [
-        "| framework | solver | Pearson r (predicted vs actual LOO) | slope | max diff from exact | seconds |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    lines += [
-        f"| {r.framework} | {r.solver} | {r.pearson:.4f} | {r.slope:.3f} | "
-        f"{r.diff_from_exact:.1e} | {r.seconds:.2f} |"
+    header = ["framework", "solver", "Pearson r (predicted vs actual LOO)", "slope"]
+    header += ["max diff from exact", "seconds"]
+    cells = [
+        [r.framework, r.solver, f"{r.pearson:.4f}", f"{r.slope:.3f}"]
+        + [f"{r.diff_from_exact:.1e}", f"{r.seconds:.2f}"]
         for r in rows
     ]
-    return "\n".join(lines)
+    return markdown_table(header, cells)
 
 
-def machine_header(command: str) -> str:
-    import jax
-    import torch
-
-    import pergrad
-
-    load = load_average()
-    return "\n".join(
+def machine_header() -> str:
+    return titled(
+        "Influence functions against leave-one-out retraining",
         [
-            "# Influence functions against leave-one-out retraining",
-            "",
-            f"- machine: {cpu_model()}, {os.cpu_count()} cores; load average at the end {load}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, jax "
-            f"{jax.__version__}, numpy {np.__version__}, pergrad {pergrad.__version__}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- command: `{command}`",
-        ]
+            f"machine: {machine.cpu_and_cores()}; load average at the end {machine.load_average()}",
+            machine.software("torch", "jax", "numpy", "pergrad"),
+            f"date: {machine.timestamp()}",
+            f"command: `{machine.command_line()}`",
+        ],
     )
 
 
@@ -271,11 +259,7 @@ def main() -> None:
         "call anew). Solvers: CG(tol=1e-8), LiSSA(scale estimated by power iteration); the minibatch "
         "LiSSA draws 50 examples per step and averages 4 repeats."
     )
-    print(text + "\n\n" + notes)
-    if args.out:
-        command = "python " + " ".join(sys.argv)
-        with open(args.out, "w") as f:
-            f.write(machine_header(command) + "\n\n" + text + "\n\n" + notes + "\n")
+    publish(text + "\n\n" + notes, args.out, machine_header)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,14 @@ by L-BFGS on 500 of scikit-learn's digits in PyTorch (float32), with 20 test gra
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import time
 
-import numpy as np
 import torch
 
 from pergrad._src.influence import ihvp
 from pergrad._src.influence.scores import FlatLoss
-from pergrad.bench.machine import cpu_model
+from pergrad.bench.report import markdown_table, publish, sentence_header
+from pergrad.bench.timing import time_interleaved
 
 GRID = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
 L2 = 1e-3
@@ -101,39 +97,26 @@ def main() -> None:
 
     agree = float((cholesky() - eigendecomposition()[0]).norm() / cholesky().norm())
     pieces = {"hessian": hessian, "eigh": eigendecomposition, "cholesky": cholesky}
-    times: dict[str, list[float]] = {name: [] for name in pieces}
-    for _ in range(args.rounds):
-        for name, fn in pieces.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = time_interleaved(pieces, args.rounds, warmup=0)
     s = {name: statistics.median(t) for name, t in times.items()}
     g = len(GRID)
     rows_out = [
         ("one damping", s["hessian"] + s["eigh"], s["hessian"] + s["cholesky"]),
         (f"a grid of {g} dampings", g * (s["hessian"] + s["eigh"]), s["hessian"] + s["eigh"]),
     ]
-    lines = [
+    summary = (
         f"P = {size} parameters, 500 Hessian examples, 20 test gradients, float32. Pieces "
         f"(median of {args.rounds}): Hessian {s['hessian']:.2f} s, eigendecomposition and "
         f"solve {s['eigh']:.2f} s, Cholesky, its check and solve {s['cholesky']:.3f} s. "
-        f"Cholesky and eigendecomposition solutions agree to {agree:.1e} (relative).",
-        "",
-        "| task | before (s) | after (s) | before / after |",
-        "| --- | --- | --- | --- |",
+        f"Cholesky and eigendecomposition solutions agree to {agree:.1e} (relative)."
+    )
+    rows = [
+        [task, f"{before:.2f}", f"{after:.2f}", f"{before / after:.1f}x"]
+        for task, before, after in rows_out
     ]
-    for task, before, after in rows_out:
-        lines.append(f"| {task} | {before:.2f} | {after:.2f} | {before / after:.1f}x |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        header = (
-            f"# influence_solvers.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, numpy {np.__version__}, "
-            f"{datetime.date.today().isoformat()}.\n\n"
-        )
-        with open(args.out, "w") as f:
-            f.write(header + table + "\n")
+    header = ["task", "before (s)", "after (s)", "before / after"]
+    table = summary + "\n\n" + markdown_table(header, rows)
+    publish(table, args.out, lambda: sentence_header("influence_solvers.py", ["torch", "numpy"]))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ Every DP reduction of pergrad zeroes an example whose gradient is not finite (se
 gradients (ghost; PyTorch cleans the records only when some norm is not finite, which one
 host sync per step checks). There is no switch to turn it off, so the step WITHOUT it is the
 same step with the library's internals replaced, for the measurement only, by versions that
-skip that work: the clip weights without ``isfinite``/``where``
-(``pergrad._src.core.reductions.clip_weights``), the materialised clipped sum as a plain
-``factors @ gradients`` (``reductions.clipped_sum``), and the ghost record cleaning as the
+skip that work: the clip weights without ``isfinite``/``where`` (``clip_weights``, in the
+module that defines ``pergrad.dp.private_grad_of``), the materialised clipped sum as a plain
+``factors @ gradients`` (``clipped_sum``, there too), and the ghost record cleaning as the
 identity (``ghost_torch.weighted_calls``, ``ghost_jax._weighted_rows``). On finite data both
 steps compute the same update: the script checks it (``max |diff|``, same noise seed).
 
@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import os
-import platform
-import statistics
+import importlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from pergrad.bench.machine import cpu_model, load_average
-from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench import machine
+from pergrad.bench.report import markdown_table, publish, titled
+from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
 FULL = dict(widths=(512, 512, 512, 10), batch_size=128, rounds=31, warmup=2)
 QUICK = dict(widths=(256, 256, 10), batch_size=32, rounds=3, warmup=1)
@@ -81,7 +79,10 @@ def plain_clipped_sum(grads: Any, max_norm: float, mask: Any = None) -> Any:
 @contextlib.contextmanager
 def without_nonfinite_cleaning() -> Iterator[None]:
     """Within the block, pergrad's DP reductions skip the non-finite cleaning (finite data)."""
-    from pergrad._src.core import reductions
+    import pergrad.dp
+
+    # the module of the DP reductions, which looks these up when called
+    reductions = importlib.import_module(pergrad.dp.private_grad_of.__module__)
 
     patches: list[tuple[Any, str, Any]] = [
         (reductions, "clip_weights", plain_clip_weights),
@@ -235,8 +236,8 @@ def measure(framework: str, widths, batch_size, rounds: int, warmup: int) -> lis
             {
                 "framework": framework,
                 "strategy": strategy,
-                "with_ms": statistics.median(with_t) * 1e3,
-                "without_ms": statistics.median(without_t) * 1e3,
+                "with_ms": median_ms(with_t),
+                "without_ms": median_ms(without_t),
                 "ratio": paired_ratio(with_t, without_t),
                 "diff": max_abs_diff(steps[strategy, "with"](), steps[strategy, "without"]()),
             }
@@ -245,42 +246,32 @@ def measure(framework: str, widths, batch_size, rounds: int, warmup: int) -> lis
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| framework | strategy | step with cleaning ms | without ms | with / without "
-        "| max abs diff of the updates |",
-        "| --- | --- | --- | --- | --- | --- |",
+    columns = ["framework", "strategy", "step with cleaning ms", "without ms", "with / without"]
+    columns.append("max abs diff of the updates")
+    cells = [
+        [r["framework"], r["strategy"], f"{r['with_ms']:.2f}", f"{r['without_ms']:.2f}"]
+        + [f"{r['ratio']:.3f}", f"{r['diff']:.1e}"]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['framework']} | {r['strategy']} | {r['with_ms']:.2f} | {r['without_ms']:.2f} "
-            f"| {r['ratio']:.3f} | {r['diff']:.1e} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def header(args: argparse.Namespace, settings: dict[str, Any], load_at_start: str) -> str:
-    import jax
     import torch
 
-    import pergrad
-
     widths = "-".join(map(str, settings["widths"]))
-    return "\n".join(
+    return titled(
+        "nonfinite_cost.py: the cost of zeroing non-finite examples in a DP-SGD step",
         [
-            "# nonfinite_cost.py: the cost of zeroing non-finite examples in a DP-SGD step",
-            "",
-            f"- machine: {cpu_model()}, {os.cpu_count()} cores; torch threads: "
-            f"{torch.get_num_threads()}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, "
-            f"jax {jax.__version__}, pergrad {pergrad.__version__}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- load average (1, 5, 15 min): {load_at_start} at the start, "
-            f"{load_average()} at the end",
-            f"- command: `python {' '.join(sys.argv)}` ({'quick' if args.quick else 'full'} "
-            f"mode, {settings['rounds']} rounds)",
-            f"- workload: MLP {widths}, ReLU, cross-entropy, batch {settings['batch_size']}; "
+            f"machine: {machine.cpu_and_cores()}; torch threads: {torch.get_num_threads()}",
+            machine.software("torch", "jax", "pergrad"),
+            f"date: {machine.timestamp()}",
+            f"load average (1, 5, 15 min): {machine.load_span(load_at_start)}",
+            f"command: `{machine.command_line()}` ({'quick' if args.quick else 'full'} mode, "
+            f"{settings['rounds']} rounds)",
+            f"workload: MLP {widths}, ReLU, cross-entropy, batch {settings['batch_size']}; "
             f"one `private_grad_of` step (clip {MAX_NORM}, noise {NOISE_MULTIPLIER}) + SGD",
-        ]
+        ],
     )
 
 
@@ -297,7 +288,7 @@ def main() -> None:
     settings = dict(QUICK if args.quick else FULL)
     if args.rounds:
         settings["rounds"] = args.rounds
-    load_at_start = load_average()
+    load_at_start = machine.load_average()
     rows = []
     for framework in ("torch", "jax"):  # each timed on its own: no thread pool spills over
         print(f"timing {framework}...", file=sys.stderr)
@@ -309,11 +300,7 @@ def main() -> None:
             settings["warmup"],
         )
     text = table(rows)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(header(args, settings, load_at_start) + "\n\n" + text + "\n")
+    publish(text, args.out, lambda: header(args, settings, load_at_start))
 
 
 if __name__ == "__main__":

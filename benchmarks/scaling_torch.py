@@ -5,10 +5,11 @@ Run:  python benchmarks/scaling_torch.py [--quick] [--out PATH]
 Workload: an MLP 784-512-512-10 (670 k parameters) with cross-entropy, a global batch of 256
 examples split evenly over the processes, ``pergrad.dp.DPOptimizer`` around SGD with
 ``max_norm=1``, ``noise_multiplier=1`` and ``expected_batch_size=256`` (the clipped sums by the
-ghost strategy). For each world size W it starts W processes (this script with ``--worker``)
-joined by a gloo process group, each with ``cores // W`` torch threads (at least 1), and times
-``optimizer.step(x, y)`` with ``distributed=True``: every round starts at a barrier, and the
-round's time is the slowest process's. It also times the step's one all-reduce alone (the
+ghost strategy). For each world size W it starts W fresh processes
+(:func:`pergrad.bench.child.run_in_child`) joined by a gloo process group, each with
+``cores // W`` torch threads (at least 1), and times ``optimizer.step(x, y)`` with
+``distributed=True``: every round starts at a barrier, and the round's time is the slowest
+process's. It also times the step's one all-reduce alone (the
 ``P + 2`` numbers of the clipped sum and counts). The baselines, the single-process
 ``DPOptimizer`` (no process group) with all cores' threads and with one thread, are timed in
 this script's own process.
@@ -21,16 +22,12 @@ batch 64, 2 processes, 3 rounds.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +35,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import pergrad
 from pergrad import dp
-from pergrad.bench.machine import cpu_model, load_average
+from pergrad.bench import machine
+from pergrad.bench.child import run_in_child
+from pergrad.bench.report import markdown_table, publish, titled
+from pergrad.bench.timing import median_ms
 
 MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.1
 
@@ -68,10 +67,6 @@ def make_mlp(widths: tuple[int, ...]) -> nn.Module:
 
 def threads_per_process(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
-
-
-def median_ms(seconds: list[float]) -> float:
-    return 1000 * statistics.median(seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +117,9 @@ def time_single_process(setting: Setting, threads: int) -> list[float]:
     return timed_rounds(lambda: optimizer.step(x, y), setting, False)
 
 
-def worker(setting: Setting, world_size: int, rank: int, store: str, out: str) -> None:
+def worker(quick: bool, world_size: int, rank: int, store: str) -> dict[str, list[float]] | None:
+    """Rank ``rank``'s part of the world: rank 0 returns the timings."""
+    setting = QUICK if quick else FULL
     torch.set_num_threads(threads_per_process(world_size))
     x, y = make_batch(setting)
     results: dict[str, list[float]] = {}
@@ -133,51 +130,23 @@ def worker(setting: Setting, world_size: int, rank: int, store: str, out: str) -
     results["distributed"] = timed_rounds(lambda: optimizer.step(x[shard], y[shard]), setting, True)
     buffer = torch.zeros(sum(p.numel() for p in model.parameters()) + 2)
     results["all_reduce"] = timed_rounds(lambda: dist.all_reduce(buffer), setting, True)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
     # Leave together: a rank tearing gloo down while its peer is still in a collective aborts
     # the peer ("terminate called without an active exception", exit -6).
     dist.barrier()
     dist.destroy_process_group()
-    leave_without_destructors()
+    return results if rank == 0 else None
 
 
-def leave_without_destructors() -> None:
-    """``os._exit(0)`` after flushing: with torch 2.13 and gloo, a worker that has left its
-    process group still aborts in C++ static destructors at interpreter exit about one run in
-    five ("terminate called without an active exception", exit -6, seen after
-    ``destroy_process_group`` returned). Everything the worker had to say is written by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_world(setting: Setting, quick: bool, world_size: int) -> dict[str, list[float]]:
-    with tempfile.TemporaryDirectory() as directory:
-        out = os.path.join(directory, "rank0.json")
+def run_world(quick: bool, world_size: int) -> dict[str, list[float]]:
+    """The ``world_size`` processes of a world, each a fresh interpreter: rank 0's timings."""
+    env = {"OMP_NUM_THREADS": str(threads_per_process(world_size))}
+    with tempfile.TemporaryDirectory() as directory, ThreadPoolExecutor(world_size) as pool:
         store = os.path.join(directory, "store")
-        command = [sys.executable, __file__, *(["--quick"] if quick else [])]
-        command += ["--worker", str(world_size), "--store", store, "--result", out]
-        environment = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(world_size))}
-        processes = [
-            subprocess.Popen(
-                [*command, "--rank", str(rank)],
-                env=environment,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+        ranks = [
+            pool.submit(run_in_child, worker, quick, world_size, rank, store, env=env, timeout=600)
             for rank in range(world_size)
         ]
-        outputs = [process.communicate(timeout=600)[0] for process in processes]
-        for rank, (process, output) in enumerate(zip(processes, outputs)):
-            if process.returncode:
-                raise RuntimeError(
-                    f"rank {rank} of {world_size} exited with {process.returncode}:\n{output}"
-                )
-        with open(out) as f:
-            return json.load(f)
+        return [rank.result() for rank in ranks][0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,8 +186,6 @@ def report(
             + [f"{baseline / step:.2f}x", f"{median_ms(single[1]) / step:.2f}x"]
             + [f"{median_ms(timing['all_reduce']):.2f}"]
         )
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
     params = sum(a * b + b for a, b in zip(setting.widths[:-1], setting.widths[1:]))
     widths = "-".join(map(str, setting.widths))
     return "\n".join(
@@ -227,7 +194,7 @@ def report(
             f"{setting.batch_size}, gloo; medians over {setting.rounds} rounds after "
             f"{setting.warmup} warm-up rounds (a round's time is its slowest process's).",
             "",
-            *lines,
+            markdown_table(header, rows),
             "",
             "Speed-up = the one-process median / this median. All-reduce: the step's one "
             f"all-reduce of {params + 2:,} float32 numbers, timed alone. Processes beyond the "
@@ -237,20 +204,15 @@ def report(
 
 
 def machine_header(quick: bool, load_at_start: str) -> str:
-    cpu = cpu_model()
-    command = " ".join(["python", *sys.argv])
-    return "\n".join(
+    return titled(
+        "pergrad DP-SGD scaling over processes (PyTorch, CPU)",
         [
-            "# pergrad DP-SGD scaling over processes (PyTorch, CPU)",
-            "",
-            f"- machine: {cpu}, {os.cpu_count()} cores",
-            f"- python {platform.python_version()}, torch {torch.__version__}, "
-            f"pergrad {pergrad.__version__}",
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- load average (1, 5, 15 min): {load_at_start} at the start, "
-            f"{load_average()} at the end",
-            f"- command: `{command}` ({'quick' if quick else 'full'} mode)",
-        ]
+            f"machine: {machine.cpu_and_cores()}",
+            machine.software("torch", "pergrad"),
+            f"date: {machine.timestamp()}",
+            f"load average (1, 5, 15 min): {machine.load_span(load_at_start)}",
+            f"command: `{machine.command_line()}` ({'quick' if quick else 'full'} mode)",
+        ],
     )
 
 
@@ -258,16 +220,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--out", help="also write the markdown, with a machine header, here")
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # world size
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--store", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     setting = QUICK if args.quick else FULL
-    if args.worker is not None:
-        worker(setting, args.worker, args.rank, args.store, args.result)
-        return
-    load_at_start = load_average()
+    load_at_start = machine.load_average()
     print("timing one process without a process group...", file=sys.stderr)
     single = {
         threads: time_single_process(setting, threads)
@@ -276,13 +231,9 @@ def main() -> None:
     timings = {}
     for world_size in setting.world_sizes:
         print(f"timing {world_size} process(es)...", file=sys.stderr)
-        timings[world_size] = run_world(setting, args.quick, world_size)
+        timings[world_size] = run_world(args.quick, world_size)
     text = report(setting, single, timings)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(machine_header(args.quick, load_at_start) + "\n\n" + text + "\n")
+    publish(text, args.out, lambda: machine_header(args.quick, load_at_start))
 
 
 if __name__ == "__main__":

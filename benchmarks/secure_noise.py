@@ -11,18 +11,14 @@ Gaussians summed per value, on the host) for each framework.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
 
 import jax
 import jax.numpy as jnp
 import torch
 
 from pergrad import dp
-from pergrad.bench.machine import cpu_model
-from pergrad.bench.timing import time_interleaved
+from pergrad.bench.report import markdown_table, publish, sentence_header
+from pergrad.bench.timing import median_ms, time_interleaved
 
 SIZES = [1_000_000, 10_000_000]
 
@@ -42,7 +38,7 @@ def measure(size: int, rounds: int, secure: dp.SecureRandom) -> dict[str, float]
         "secure_jax": lambda: jax.block_until_ready(jax_secure(grads_j)),
     }
     times = time_interleaved(methods, rounds, warmup=1)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {name: median_ms(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -51,28 +47,18 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown, with a machine header, here")
     args = parser.parse_args()
     secure = dp.SecureRandom()
-    lines = [
-        "| parameters | torch.Generator ms | SecureRandom (torch) ms | JAX key, jit ms "
-        "| SecureRandom (JAX, jit) ms | secure / torch | secure / JAX |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = ["parameters", "torch.Generator ms", "SecureRandom (torch) ms", "JAX key, jit ms"]
+    header += ["SecureRandom (JAX, jit) ms", "secure / torch", "secure / JAX"]
+    rows = []
     for size in SIZES:
         ms = measure(size, args.rounds, secure)
-        lines.append(
-            f"| {size:,} | {ms['torch']:.1f} | {ms['secure_torch']:.1f} | {ms['jax']:.1f} "
-            f"| {ms['secure_jax']:.1f} | {ms['secure_torch'] / ms['torch']:.1f}x "
-            f"| {ms['secure_jax'] / ms['jax']:.1f}x |"
+        rows.append(
+            [f"{size:,}"]
+            + [f"{ms[name]:.1f}" for name in ("torch", "secure_torch", "jax", "secure_jax")]
+            + [f"{ms['secure_torch'] / ms['torch']:.1f}x", f"{ms['secure_jax'] / ms['jax']:.1f}x"]
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        header = (
-            f"# secure_noise.py\n\nMachine: {cpu_model()}, {os.cpu_count()} cores, "
-            f"{platform.system()}, torch {torch.__version__}, jax {jax.__version__}, "
-            f"{datetime.date.today().isoformat()}.\n\n"
-        )
-        with open(args.out, "w") as f:
-            f.write(header + table + "\n")
+    table = markdown_table(header, rows)
+    publish(table, args.out, lambda: sentence_header("secure_noise.py", ["torch", "jax"]))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ Prints a markdown table; ``--out PATH`` also writes it with the machine named.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 import pergrad
-from pergrad.bench.report import machine_info
+from pergrad.bench.machine import package_version
+from pergrad.bench.report import fmt, machine_info, markdown_table, publish
+from pergrad.bench.timing import median_ms, time_interleaved
 
 STRATEGIES = ("auto", "vmap", "hooks", "loop")
 
@@ -92,18 +92,6 @@ def build(kind: str, checkpointing: bool, quick: bool) -> tuple[Any, Any, tuple[
     return model, loss_fn, (inputs, target)
 
 
-def interleaved(methods: dict[str, Any], rounds: int) -> dict[str, float]:
-    """Median ms of each method over ``rounds``; each round runs every method once, in turn,
-    so that a slow spell of the machine hits all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-
-
 def relative_error(got: dict, want: dict) -> float:
     num = sum(float(((got[k] - want[k]) ** 2).sum()) for k in want)
     den = sum(float((want[k] ** 2).sum()) for k in want)
@@ -137,7 +125,8 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
     batch_grad()  # warm-up
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ms = interleaved(methods, repeats)
+        times = time_interleaved(methods, repeats, warmup=0)  # each warmed up above
+    ms = {method: median_ms(seconds) for method, seconds in times.items()}
     model.zero_grad(set_to_none=True)
     rows = []
     for method in ("batch grad", *STRATEGIES):
@@ -152,20 +141,15 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
 
 
 def table(rows: list[dict]) -> str:
-    def fmt(value: Any, spec: str, suffix: str = "") -> str:
-        return "—" if value is None else f"{value:{spec}}{suffix}"
-
-    lines = [
-        "| model | method | strategy taken | ms | / batch grad | speed-up over loop | rel. error vs loop |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    columns = ["model", "method", "strategy taken", "ms", "/ batch grad", "speed-up over loop"]
+    columns.append("rel. error vs loop")
+    cells = [
+        [r["model"], r["method"], r["taken"], fmt(r["ms"], ".1f", missing="—")]
+        + [fmt(r["ratio"], ".2f", "x", missing="—"), fmt(r["speedup"], ".1f", "x", missing="—")]
+        + [fmt(r["error"], ".1e", missing="—")]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['method']} | {r['taken']} | {fmt(r['ms'], '.1f')} | "
-            f"{fmt(r['ratio'], '.2f', 'x')} | {fmt(r['speedup'], '.1f', 'x')} | "
-            f"{fmt(r['error'], '.1e')} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def main() -> None:
@@ -179,27 +163,20 @@ def main() -> None:
     for kind in ("GPT-2", "BERT"):
         for checkpointing in (False, True):
             rows += run_model(kind, checkpointing, repeats, args.quick)
-    text = table(rows)
-    print(text)
-    if args.out is not None:
-        info = machine_info()
-        header = (
-            "# Per-example gradient strategies on Hugging Face models\n\n"
-            f"Produced by `python benchmarks/strategies.py` on {info['cpu']} "
-            f"({info['cores']} cores, torch threads {info['torch_threads']}, GPU: "
-            f"{info['gpu'] or 'none'}), Python {info['python']}, torch "
-            f"{info['versions']['torch']}, transformers {_version('transformers')}, "
-            f"{info['date']}. Batch 32, sequence 32, 4 layers, width 128, vocab 2000; "
-            f"median of {repeats} interleaved rounds after a warm-up.\n\n"
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(header + text + "\n")
+    publish(table(rows), args.out, lambda: header(repeats))
 
 
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
+def header(repeats: int) -> str:
+    info = machine_info()
+    return (
+        "# Per-example gradient strategies on Hugging Face models\n\n"
+        f"Produced by `python benchmarks/strategies.py` on {info['cpu']} "
+        f"({info['cores']} cores, torch threads {info['torch_threads']}, GPU: "
+        f"{info['gpu'] or 'none'}), Python {info['python']}, torch "
+        f"{info['versions']['torch']}, transformers {package_version('transformers')}, "
+        f"{info['date']}. Batch 32, sequence 32, 4 layers, width 128, vocab 2000; "
+        f"median of {repeats} interleaved rounds after a warm-up."
+    )
 
 
 if __name__ == "__main__":

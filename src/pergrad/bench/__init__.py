@@ -11,7 +11,10 @@ It writes ``results.json``, ``results.md`` and plots to ``./pergrad-bench-result
 (``--out DIR`` elsewhere) and prints the table. It needs PyTorch; JAX, Opacus, BackPACK and
 matplotlib are optional (a peer that is not installed is skipped with a note). The modules:
 ``workloads`` (the models, in torch and JAX), ``methods`` (what is timed), ``timing``,
-``memory`` (peak memory in a fresh process), ``report`` (tables and plots), ``cli`` (the command).
+``memory`` (peak memory in a fresh process), ``child`` (a function run in a child process),
+``machine`` (the machine, for headers), ``report`` (tables, headers and plots), ``cli`` (the
+command). The scripts in the repository's ``benchmarks/`` use the same ``timing``, ``memory``,
+``child``, ``machine`` and ``report``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -49,7 +48,7 @@ from pergrad.bench.methods import (
     jax_device,
     max_abs_error,
 )
-from pergrad.bench.timing import paired_ratio, time_interleaved
+from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 from pergrad.bench.workloads import WORKLOADS, Workload, batch_sizes, build
 
 RESULTS_ROOT = Path("pergrad-bench-results")  # under the working directory, never site-packages
@@ -150,7 +149,7 @@ def build_calls(
             errors[method.name] = max_abs_error(method.kind, call(), loop_grads)
             calls[method.name] = call
         except Exception as e:  # a method that cannot handle this model: reported, not fatal
-            failures[method.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            failures[method.name] = report.error_summary(e)
             print(f"note: {method.name!r} unsupported on {workload.name}: {failures[method.name]}")
     return calls, errors, failures
 
@@ -174,7 +173,7 @@ def rows_for(workload, batch_size, calls, errors, failures, times, memory) -> li
         loop = times.get(LOOPS[method.framework])
         row |= {
             "status": "ok",
-            "median_ms": 1e3 * statistics.median(seconds),
+            "median_ms": median_ms(seconds),
             "min_ms": 1e3 * min(seconds),
             "times_ms": [1e3 * s for s in seconds],
             "ratio_to_floor": paired_ratio(seconds, floor) if floor else None,

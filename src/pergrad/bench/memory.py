@@ -1,28 +1,43 @@
 """Peak memory of one call of one method, measured in a fresh process.
 
-``measure(workload, method, batch_size, device)`` runs ``python -m pergrad.bench.memory ...``;
-``measure_sizes(workload, method, sizes, device)`` does the same for several batch sizes in one
-child (the sweep), one after the other. For each batch size the child builds the
-workload and the method, calls it once (JAX compiles then), then, on Linux, resets the
-process's peak resident set size (``/proc/self/clear_refs``) and calls it again: the figure is
-the peak RSS during that second call minus the RSS just before it, so it counts the call's
-working memory and its result, not the imports, the model, the data or JIT compilation. glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so
-that large buffers freed after the first call go back to the OS instead of being reused
-unseen. Where the peak cannot be reset, the figure is ``ru_maxrss`` after the first call minus
-the RSS before it (so it includes compilation, and in a sweep only what a batch size adds to the
-peak of the smaller ones); the JSON says which.
+``measure(workload, method, batch_size, device)`` measures it in a child process
+(``pergrad.bench.child.run_in_child``); ``measure_sizes(workload, method, sizes, device)`` does
+the same for several batch sizes in one child (the sweep), one after the other. For each batch
+size the child builds the workload and the method, calls it once (JAX compiles then), then, on
+Linux, resets the process's peak resident set size (``/proc/self/clear_refs``) and calls it
+again: the figure is the peak RSS during that second call minus the RSS just before it, so it
+counts the call's working memory and its result, not the imports, the model, the data or JIT
+compilation. glibc's mmap threshold is pinned (``MALLOC_MMAP_THRESHOLD_``) so that large buffers
+freed after the first call go back to the OS instead of being reused unseen. Where the peak
+cannot be reset, the figure is ``ru_maxrss`` after the first call minus the RSS before it (so
+it includes compilation, and in a sweep only what a batch size adds to the peak of the smaller
+ones); the JSON says which.
 
 On CUDA, torch methods report ``torch.cuda.max_memory_allocated`` over the second call instead;
 JAX methods on a GPU are not measured (JAX has no peak of device memory that can be reset).
+
+The probes, for a benchmark that measures its own calls: ``status_mib("VmRSS")`` (resident
+now), ``peak_rss_over(call)`` (the peak during a call; ``reset_peak()`` and
+``status_mib("VmHWM")`` for a peak over more), ``max_rss_mib()`` (the peak since the process
+started); ``free_buffers_to_the_os()`` in a process that did not start with
+``FREED_BUFFERS_TO_THE_OS`` in its environment.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
-import json
 import os
-import subprocess
-import sys
+from collections.abc import Callable
+from typing import Any
+
+from pergrad.bench.child import ChildFailed, run_in_child
+from pergrad.bench.report import error_summary
+
+# glibc maps (and unmaps, when freed) every buffer from 64 KiB up on its own: a freed buffer
+# leaves the resident set, so the next call's peak is its own.
+FREED_BUFFERS_TO_THE_OS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def measure(
@@ -35,14 +50,18 @@ def measure_sizes(
     workload: str, method: str, sizes: tuple[int, ...], device: str = "cpu", timeout: float = 600
 ) -> dict[int, dict]:
     """``{batch size: {"peak_mib": ..., "how": ...}}``, measured in one fresh process."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    command = [sys.executable, "-m", "pergrad.bench.memory", workload, method, str(device)]
-    command += [str(size) for size in sizes]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        failed = {"peak_mib": None, "how": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
-        return dict.fromkeys(sizes, failed)
-    by_size = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        by_size = run_in_child(
+            _peaks_by_size,
+            workload,
+            method,
+            str(device),
+            list(sizes),
+            env=FREED_BUFFERS_TO_THE_OS,
+            timeout=timeout,
+        )
+    except ChildFailed as error:
+        return dict.fromkeys(sizes, {"peak_mib": None, "how": f"failed: {error.reason}"})
     return {int(size): result for size, result in by_size.items()}
 
 
@@ -59,11 +78,33 @@ def status_mib(field: str) -> float:
     return _status_kib(field) / 1024
 
 
+def max_rss_mib() -> float:
+    """This process's peak resident memory since it started (``ru_maxrss``), in MiB (Unix)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
 def reset_peak() -> None:
     """Reset this process's peak resident memory (``VmHWM``) to its current one (Linux >= 4.0,
     ``/proc/self/clear_refs``); raises ``OSError`` where that cannot be done."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def peak_rss_over(call: Callable[[], Any]) -> float:
+    """The peak resident memory (``VmHWM``, MiB) during ``call()``: the peak is reset first
+    (Linux; raises ``OSError`` where it cannot be)."""
+    reset_peak()
+    call()
+    return status_mib("VmHWM")
+
+
+def free_buffers_to_the_os() -> None:
+    """``FREED_BUFFERS_TO_THE_OS`` for this process, already running (glibc's ``mallopt``;
+    nothing elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
 
 
 def _reset_peak() -> bool:
@@ -74,7 +115,9 @@ def _reset_peak() -> bool:
         return False
 
 
-def _child(workload_name: str, method_name: str, device: str, sizes: list[int]) -> dict[int, dict]:
+def _peaks_by_size(
+    workload_name: str, method_name: str, device: str, sizes: list[int]
+) -> dict[int, dict]:
     import warnings
 
     warnings.simplefilter("ignore")
@@ -83,7 +126,7 @@ def _child(workload_name: str, method_name: str, device: str, sizes: list[int]) 
         try:
             by_size[size] = _measure_one(workload_name, method_name, device, size)
         except Exception as e:  # unsupported at this size: the others still count
-            by_size[size] = {"peak_mib": None, "how": f"failed: {type(e).__name__}: {e}"[:200]}
+            by_size[size] = {"peak_mib": None, "how": f"failed: {error_summary(e)}"}
         gc.collect()
     return by_size
 
@@ -118,13 +161,6 @@ def _measure_one(workload_name: str, method_name: str, device_name: str, batch_s
             peak = _status_kib("VmHWM") - before
             del result
             return {"peak_mib": peak / 1024, "how": "VmHWM - VmRSS over the 2nd call"}
-    import resource  # Unix only
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = max_rss_mib()
     call()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    return {"peak_mib": peak / 1024, "how": "ru_maxrss delta over the 1st call"}
-
-
-if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1], sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4:]])))
+    return {"peak_mib": max_rss_mib() - before, "how": "ru_maxrss delta over the 1st call"}

@@ -1,23 +1,90 @@
-"""Machine description, results.json, results.md and the plots."""
+"""Results as text: markdown tables and headers, results.json, results.md and the plots.
+
+Shared by the benchmark command and the scripts in ``benchmarks/``: ``markdown_table`` (one
+writer of every table), ``fmt`` (a cell of a number that may be missing), ``titled`` and
+``sentence_header`` (the two shapes of a results file's header, from the pieces in
+``pergrad.bench.machine``), ``publish`` (print the results, write them under their header),
+``error_summary`` (a failure in one line) and ``write_text``.
+"""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
 import re
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pergrad.bench.machine import cpu_model
+from pergrad.bench.machine import (
+    cpu_and_cores,
+    cpu_model,
+    package_version,
+    timestamp,
+    today,
+    versions,
+)
 
 PACKAGES = ("torch", "jax", "jaxlib", "numpy", "opacus", "backpack-for-pytorch", "pergrad")
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """A markdown table of ``header`` and ``rows`` (cells already text), one line a row.
+
+    ``align``: one letter a column, ``l`` (the default for columns it does not reach) or ``r``
+    (right-aligned, ``---:``). ``markdown_table(["B", "ms"], [["8", "1.5"]], "rr")`` is::
+
+        | B | ms |
+        | ---: | ---: |
+        | 8 | 1.5 |
+    """
+    rule = ["---:" if align[i : i + 1] == "r" else "---" for i in range(len(header))]
+    lines = [header, rule, *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def fmt(value: float | None, spec: str, suffix: str = "", missing: str = "-") -> str:
+    """``value`` as text by the format ``spec``, then ``suffix``; ``missing`` when it is None
+    (not measured): ``fmt(1.234, ".2f", "x") == "1.23x"``, ``fmt(None, ".2f") == "-"``."""
+    return missing if value is None else f"{value:{spec}}{suffix}"
+
+
+def titled(title: str, items: Sequence[str]) -> str:
+    """A results file's header as a list: ``# title``, a blank line, one ``- item`` line each."""
+    return "\n".join([f"# {title}", "", *(f"- {item}" for item in items)])
+
+
+def machine_sentence(packages: Sequence[str], details: Sequence[str] = ()) -> str:
+    """A results file's header as a sentence, without its full stop: ``"Machine: AMD EPYC, 2
+    cores, Linux, torch 2.13.0+cpu, <details, ...>, 2026-11-24"``."""
+    parts = [cpu_and_cores(), platform.system(), versions(*packages), *details, today()]
+    return "Machine: " + ", ".join(parts)
+
+
+def sentence_header(name: str, packages: Sequence[str], details: Sequence[str] = ()) -> str:
+    """``# <name>``, a blank line and ``machine_sentence(packages, details)`` with its stop."""
+    return f"# {name}\n\n{machine_sentence(packages, details)}."
+
+
+def publish(text: str, out: str | os.PathLike | None, header: Callable[[], str]) -> None:
+    """Print ``text``; when ``out`` is given, also write it there under ``header()``, a blank
+    line between them (the header is made only then: it reads the date and the load)."""
+    print(text)
+    if out:
+        write_text(out, header() + "\n\n" + text + "\n")
+
+
+def error_summary(error: BaseException) -> str:
+    """``"<class>: <first line of the message, at most 160 characters>"``."""
+    message = (str(error).strip().splitlines() or [""])[0][:160]
+    return f"{type(error).__name__}: {message}"
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path``, making its folder first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def gpu_name() -> str | None:
@@ -49,13 +116,6 @@ def describe_device(device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
-def package_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "missing"
-
-
 def machine_info(device=None, jax_device: str | None = None) -> dict:
     """The machine, the device the torch methods ran on (and JAX's), and package versions."""
     import torch
@@ -67,16 +127,12 @@ def machine_info(device=None, jax_device: str | None = None) -> dict:
         "gpu": gpu_name(),
         "python": platform.python_version(),
         "versions": {name: package_version(name) for name in PACKAGES},
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": timestamp(),
     }
     if device is not None:
         info["device"] = describe_device(device)
         info["jax_device"] = jax_device
     return info
-
-
-def fmt(value, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -106,21 +162,20 @@ def summary_table(rows: list[dict]) -> str:
 
 def header(results: dict) -> str:
     m, run = results["machine"], results["run"]
-    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-    return "\n".join(
+    packages = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    return titled(
+        "pergrad benchmarks: against the loop, the floor and the peers",
         [
-            "# pergrad benchmarks: against the loop, the floor and the peers",
-            "",
-            f"- machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
+            f"machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
             f"GPU: {m['gpu'] or 'none'}",
-            f"- device: torch on {m.get('device', 'cpu')}; "
+            f"device: torch on {m.get('device', 'cpu')}; "
             f"JAX on {m.get('jax_device') or 'none (JAX methods skipped)'}",
-            f"- python {m['python']}; {versions}",
-            f"- date: {m['date']}; load average (1, 5, 15 min): {run['load_average_start']} at "
+            f"python {m['python']}; {packages}",
+            f"date: {m['date']}; load average (1, 5, 15 min): {run['load_average_start']} at "
             f"the start, {run['load_average_end']} at the end",
-            f"- command: `{run['command']}` ({run['mode']} mode, {run['rounds']} rounds after "
+            f"command: `{run['command']}` ({run['mode']} mode, {run['rounds']} rounds after "
             f"{run['warmup']} warm-up call(s); {run.get('wall_s', '?')} s)",
-        ]
+        ],
     )
 
 

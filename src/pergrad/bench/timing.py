@@ -1,4 +1,8 @@
-"""Timing calls against each other: interleaved rounds and paired ratios (no framework imported)."""
+"""Timing calls against each other: interleaved rounds and paired ratios (no framework imported).
+
+``time_interleaved({name: call}, rounds, warmup)`` for calls timed side by side, ``median_ms``
+and ``paired_ratio`` to read its rounds, ``timed(call)`` for one call too long to repeat.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +45,18 @@ def time_interleaved(
         gc.enable()
         gc.unfreeze()
     return times
+
+
+def median_ms(seconds: list[float]) -> float:
+    """The median of ``seconds``, in milliseconds."""
+    return 1e3 * statistics.median(seconds)
+
+
+def timed(call: Callable[[], Any]) -> tuple[Any, float]:
+    """``(call(), the seconds it took)``: one wall-clock measurement."""
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
