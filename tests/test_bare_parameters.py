@@ -296,9 +296,9 @@ def dp_steps(model, batch, steps: int, **options):
 
 
 def test_dp_optimizer_says_once_when_bare_parameters_are_too_large(monkeypatch):
-    from pergrad._src.capture import torch_generic
+    from pergrad._src.capture import cost
 
-    monkeypatch.setattr(torch_generic, "MAX_MATERIALIZED_NUMBERS", 10)
+    monkeypatch.setattr(cost, "MAX_FORMED_NUMBERS", 10)
     model, batch, _ = problem("embed")
     stats, caught = dp_steps(model, batch, steps=3)
     assert [s.strategy for s in stats] == ["chunked"] * 3

@@ -427,10 +427,10 @@ def test_a_layer_without_a_rule_runs_alone_and_the_rest_stays_ghost():
 
 
 def test_auto_takes_chunked_when_layers_without_rules_are_large(monkeypatch):
-    from pergrad._src.capture import torch_generic
+    from pergrad._src.capture import cost
 
     loss, args = attention_problem()
-    monkeypatch.setattr(torch_generic, "MAX_MATERIALIZED_NUMBERS", 10)
+    monkeypatch.setattr(cost, "MAX_FORMED_NUMBERS", 10)
     choice = choose_strategy(loss, *args)
     assert choice.strategy == "chunked"
     assert "the layers without a ghost rule would need 840 per-example numbers" in choice.reason

@@ -22,9 +22,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import pergrad  # noqa: E402
 from pergrad._src.api.reductions import choose_strategy, per_example_norms_of  # noqa: E402
-from pergrad._src.capture import jax_contractions  # noqa: E402
+from pergrad._src.capture import cost, jax_contractions  # noqa: E402
 from pergrad._src.dp.from_loss import clipped_sum_of  # noqa: E402
-from pergrad._src.strategies import ghost_jax as jax_ghost  # noqa: E402
 from test_jax_zoo import ZOO, keys, mse_loss, normal, targets_for  # noqa: E402
 
 # Small programs of many shapes, op by op: compiled without XLA's backend optimisations.
@@ -156,7 +155,7 @@ def test_auto_takes_chunked_when_the_formed_gradients_would_be_large(monkeypatch
     ys = targets_for(forward, params, xs, seed=3)
     loss = mse_loss(forward)
     assert choose_strategy(loss, params, xs, ys).strategy == "ghost"
-    monkeypatch.setattr(jax_ghost, "MAX_MATERIALIZED_NUMBERS", 10)  # B x 12 scale/shift > 10
+    monkeypatch.setattr(cost, "MAX_FORMED_NUMBERS", 10)  # B x 12 scale/shift > 10
     choice = choose_strategy(loss, params, xs, ys)
     assert choice.strategy == "chunked"
     assert "['gamma']: used by 'broadcast_in_dim'" in choice.reason

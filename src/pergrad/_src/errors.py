@@ -32,10 +32,11 @@ def is_pergrad_error(err: BaseException) -> bool:
     return isinstance(err, (PergradValueError, PergradTypeError))
 
 
-class GhostUnsupported(Exception):
-    """Internal: this call cannot take the ghost strategy (of either framework), or a capture
-    check failed; the message says why. ``"auto"`` falls back on it; it never reaches users
-    except as the cause of a :class:`PergradValueError` under a forced strategy."""
+class Unsupported(Exception):
+    """Internal, the one way of saying "cannot": a strategy, a capture engine, a layer rule or
+    a first-call check finds that it cannot take this call; the message says why. ``"auto"``
+    moves on to the next strategy (``strategies/registry.py``); a named strategy turns it into a
+    :class:`PergradValueError` that names the strategy, so it never reaches users itself."""
 
 
 def warn_from_caller(message: str, category: type[Warning] = FallbackWarning) -> None:

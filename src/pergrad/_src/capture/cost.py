@@ -21,6 +21,11 @@ import math
 
 FLOAT64_COST = 2
 
+# "auto" takes the ghost strategy (either framework) only if the per-example gradients it forms
+# for parameters outside every rule (layers without a rule, bare parameters) stay under this
+# many numbers (B x their size; 128 MB in float32); else the chunked strategy.
+MAX_FORMED_NUMBERS = 2**25
+
 
 def gram_is_cheaper_for(positions: int, widths: tuple[int, ...]) -> bool:
     """Whether the Gram route costs less for a gradient with factors of these ``widths``

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from pergrad._src.core.call import Call, Spec, single_example_fn
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # Ops that move a parameter's numbers around without mixing them: the gradient through them
 # has the same norm, and its transpose is cheap.
@@ -239,7 +239,7 @@ def _is_var(atom: Any) -> bool:
 def flatten_inputs(closed: Any, diff: Sequence[Any], example: tuple[Any, ...]) -> list[Any]:
     inputs = list(diff) + list(example)
     if len(inputs) != len(closed.jaxpr.invars):
-        raise GhostUnsupported("the loss's inputs do not match its traced form")
+        raise Unsupported("the loss's inputs do not match its traced form")
     return inputs
 
 
@@ -361,7 +361,7 @@ def records(call: Call, ghost_plan: JaxGhostPlan) -> JaxRecords:
             other_values, probes, batched
         )
     except Exception as err:  # noqa: BLE001 - any failure means "not this way"
-        raise GhostUnsupported(
+        raise Unsupported(
             f"evaluating the traced loss failed ({type(err).__name__}: {err})"
         ) from err
     sites = {k: ghost_plan.sites[k] for k in site_leaves}

@@ -51,7 +51,7 @@ WeightedSumFn = Callable[[Any, list[Any], Any], dict[str, Any]]
 # A plug-in reduction: (layer, calls, *its own arguments) -> {param_name: per-example values}.
 ReductionFn = Callable[..., dict[str, Any]]
 # How one call is recorded: (layer, positional args, keyword args, output) -> Recorded, or None
-# to record it as a plain layer (see Recorded). Raises GhostUnsupported to refuse the call.
+# to record it as a plain layer (see Recorded). Raises Unsupported to refuse the call.
 RecordFn = Callable[[Any, tuple, dict, Any], "Recorded | None"]
 # Whether a layer (of a type no rule is registered for) belongs to a family: (layer) -> bool.
 MatchFn = Callable[[Any], bool]

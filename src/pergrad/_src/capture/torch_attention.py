@@ -44,7 +44,7 @@ from torch import nn
 from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.rules import Recorded, register
 from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -104,7 +104,7 @@ def _record(
         isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_nested
         for x in (query, key, value)
     ):
-        raise GhostUnsupported(
+        raise Unsupported(
             "nn.MultiheadAttention's rule takes a batched (3-D, not nested) query, key and value"
         )
     axis = 0 if layer.batch_first else 1
@@ -131,7 +131,7 @@ def _record(
     )
     batch = attention.query.shape[0]
     if attention.key.shape[0] != batch or attention.value.shape[0] != batch:
-        raise GhostUnsupported("the query, key and value of the attention differ in batch size")
+        raise Unsupported("the query, key and value of the attention differ in batch size")
     attended, weights = output
     return Recorded(
         tuple(getattr(attention, name) for name in _FIELDS), attended, axis, unread=(weights,)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # Relative tolerance per row, and the absolute part as a share of the record's largest row.
 _ROW_TOLERANCE = {torch.float64: (1e-7, 1e-10), torch.float32: (1e-3, 1e-5)}
@@ -154,7 +154,7 @@ def check_rows(
     weights: torch.Tensor,
     summaries: dict[int, RowSummary] | None = None,
 ) -> None:
-    """Raise :class:`GhostUnsupported` unless every record's output gradient is row-local.
+    """Raise :class:`Unsupported` unless every record's output gradient is row-local.
 
     Args:
       records: layer name -> its call records, each with an ``output_grad`` ``(B, ...)`` (or
@@ -193,7 +193,7 @@ def check_rows(
     try:
         weighted_backward(weights)
         if problems:
-            raise GhostUnsupported(_row_problem(problems[0]))
+            raise Unsupported(_row_problem(problems[0]))
         for name, before in plain.items():
             reached = [(r, first) for r, first in before if first is not None]
             # Reentrant checkpointing reruns the forward pass inside the backward pass: its
@@ -202,12 +202,12 @@ def check_rows(
             rerun = [g for g in rerun if g is not None]
             if rerun:
                 if len(rerun) != len(reached):
-                    raise GhostUnsupported(_row_problem(name))
+                    raise Unsupported(_row_problem(name))
                 for (_, first), second in zip(reached, rerun):
                     if not _row_local(first, second, weights):
-                        raise GhostUnsupported(_row_problem(name))
+                        raise Unsupported(_row_problem(name))
             elif any(id(r) not in seen for r, _ in reached):
-                raise GhostUnsupported(_row_problem(name))
+                raise Unsupported(_row_problem(name))
     finally:
         for name, before in plain.items():
             del records[name][len(before) :]
@@ -251,7 +251,7 @@ def check_rows_against(
     weights: torch.Tensor,
     summaries: dict[int, RowSummary] | None = None,
 ) -> None:
-    """Raise :class:`GhostUnsupported` unless every record's output gradient (of
+    """Raise :class:`Unsupported` unless every record's output gradient (of
     ``sum_b loss_b``, a later run of the same batch) is row-local: row ``b`` times
     ``weights[b]`` must be what :func:`weighted_summaries` summarised of the weighted run's
     gradient at the same call. ``summaries``: ``id(record) -> RowSummary`` for records whose
@@ -260,7 +260,7 @@ def check_rows_against(
     summaries = summaries or {}
     for name, rs in records.items():
         if len(rs) != len(weighted.get(name, ())):
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"run a second time on the same batch, the model called layer {name!r} "
                 f"another number of times: the ghost strategy cannot check where the batch is"
             )
@@ -273,7 +273,7 @@ def check_rows_against(
             if second is None or not rows_match(
                 second.values, first.values, divide_by=weights, dtype=first.dtype
             ):
-                raise GhostUnsupported(_row_problem(name))
+                raise Unsupported(_row_problem(name))
 
 
 def records_finite(

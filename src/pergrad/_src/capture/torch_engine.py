@@ -34,7 +34,7 @@ from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss, as_scalar
-from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
+from pergrad._src.errors import PergradValueError, Unsupported, is_pergrad_error
 
 
 def model_and_loss_arguments(
@@ -113,7 +113,7 @@ def capturing(
             and _holds_batch(recorded.inputs[0], 0, batch_size)
             and _holds_batch(recorded.output, recorded.batch_axis, batch_size)
         ):
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"layer {name!r} ({type(module).__name__}) did not get the batch of "
                 f"{batch_size} on the axes its rule expects"
             )
@@ -179,7 +179,7 @@ def _plain_call(
     )
     if axis is None:
         where = " or ".join(str(axis) for axis in batch_axes)
-        raise GhostUnsupported(
+        raise Unsupported(
             f"layer {name!r} ({type(module).__name__}) did not get the batch of "
             f"{batch_size} on axis {where} of a positional input and of its output"
         )
@@ -279,16 +279,16 @@ def _add_batch_axis(x: Any) -> Any:
 
 def layer_calls(module_name: str, records: list[LayerRecord]) -> list[LayerCall]:
     """The calls of a layer whose output reached the loss, for its rule. Raises
-    :class:`GhostUnsupported` where the records cannot be trusted."""
+    :class:`Unsupported` where the records cannot be trusted."""
     for record in records:
         if record.unread_grad:
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"the loss depends on an output of layer {module_name!r} that its rule does not "
                 f"read (attention weights)"
             )
         versions = tuple(getattr(x, "_version", 0) for x in record.inputs)
         if versions != record.input_versions:
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"the input of layer {module_name!r} was modified in place after the layer read it"
             )
     return [

@@ -41,11 +41,7 @@ from torch import nn
 
 from pergrad._src.capture.rules import rule_for
 from pergrad._src.capture.torch_checks import GradientSlot, rows_match
-from pergrad._src.errors import GhostUnsupported
-
-# "auto" takes the ghost strategy only if the generic layers' per-example gradients stay under
-# this many numbers (B x their size; 128 MB in float32), as for the JAX ghost strategy.
-MAX_MATERIALIZED_NUMBERS = 2**25
+from pergrad._src.errors import Unsupported
 
 # Relative tolerance of the first run's check: sum_i g_i == batch gradient.
 _SUM_RTOL = 1e-3
@@ -93,7 +89,7 @@ def capturing_units(
     def hook(name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         first = _first_tensor(output)
         if first is None or first.dim() == 0 or first.shape[0] != batch_size:
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"layer {name!r} ({type(module).__name__}) did not return the batch of "
                 f"{batch_size} on axis 0"
             )
@@ -155,7 +151,7 @@ def per_example(
         if outputs.shape != call.output.shape or not rows_match(
             outputs.flatten(1), call.output.flatten(1)
         ):
-            raise GhostUnsupported(
+            raise Unsupported(
                 "run alone on each example's slice of its inputs (axis 0), it does not "
                 "reproduce its output in the batch: axis 0 of an input is not the batch"
             )
@@ -171,7 +167,7 @@ def _batched(x: Any, batch_size: int) -> bool:
 def check_sums(
     unit_name: str, per_example_grads: dict[str, torch.Tensor], batch_grads: dict[str, Any]
 ) -> None:
-    """Raise :class:`GhostUnsupported` unless the per-example gradients add up to the batch
+    """Raise :class:`Unsupported` unless the per-example gradients add up to the batch
     gradient (first run only): a shared input taken for a batched one would break it."""
     for name, grads in per_example_grads.items():
         expected = batch_grads.get(name)
@@ -179,7 +175,7 @@ def check_sums(
             continue
         error = torch.linalg.vector_norm(grads.sum(0) - expected)
         if error > _SUM_RTOL * torch.linalg.vector_norm(expected) + 1e-12:
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"the per-example gradients of layer {unit_name!r} (run alone, without a ghost "
                 f"rule) do not add up to the batch gradient of {name!r}"
             )

@@ -30,7 +30,7 @@ from torch import nn
 from pergrad._src.capture.cost import dense_route, gram_is_cheaper
 from pergrad._src.capture.rules import in_reduction_precision, register
 from pergrad._src.capture.torch_checks import rows_match
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 
 @dataclass
@@ -596,7 +596,7 @@ def _hf_rms_record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         and output.shape == x.shape
         and x.shape[-1] == weight.numel()
     ):
-        raise GhostUnsupported(
+        raise Unsupported(
             f"{type(layer).__name__} did not map one (..., {weight.numel()}) input to an "
             f"output of its shape"
         )
@@ -607,7 +607,7 @@ def _hf_rms_record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         for offset in (0.0, 1.0):
             if rows_match(got, ((scale + offset) * x_hat).reshape(got.shape).to(got.dtype)):
                 return
-    raise GhostUnsupported(
+    raise Unsupported(
         f"{type(layer).__name__} has the attributes of an RMS norm (weight, epsilon) but does "
         f"not compute weight * x / sqrt(mean(x^2) + eps)"
     )

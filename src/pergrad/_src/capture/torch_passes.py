@@ -34,7 +34,7 @@ from pergrad._src.capture.torch_session import (
 )
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 
 def capture(
@@ -180,7 +180,7 @@ def second_pass(
     from, and the clip bound holds exactly, under ``torch.autocast`` too (where a backward pass
     of clip-weighted losses would round each example's gradient differently). This is checked:
     each record's row summaries must match the first pass's (within float32 rounding, for
-    non-deterministic kernels), else :class:`GhostUnsupported`. On a first run the pass also
+    non-deterministic kernels), else :class:`Unsupported`. On a first run the pass also
     gives the batch gradient of every parameter, for the checks the one-pass mode makes there.
     ``clean``: as for ``torch_quantities.weighted_sums``.
     """
@@ -209,12 +209,12 @@ def second_pass(
         if any(id(r) in summaries and id(r) not in seen for r in rs)
     ]
     if missing:  # a forward pass rerun inside the backward pass, with no hooks of pergrad's
-        raise GhostUnsupported(
+        raise Unsupported(
             f"the second backward pass did not reach layer {missing[0]!r}'s recorded output "
             f"(a forward pass rerun inside the backward pass): use strategy='ghost'"
         )
     if mismatch:
-        raise GhostUnsupported(
+        raise Unsupported(
             f"the second backward pass gave layer {mismatch[0]!r} other output gradients than "
             f"the first (non-deterministic kernels): the low-memory mode cannot build the "
             f"clipped sum from the gradients its norms came from. Call "

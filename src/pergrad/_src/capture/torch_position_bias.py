@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pergrad._src.capture.torch_checks import GradientSlot
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # The layer kind reported by choose_strategy for such a table.
 POSITION_BIAS = "position-bias"
@@ -93,7 +93,7 @@ def _patch(
         lookups.clear()
         bias = original(*args, **kwargs)
         if len(lookups) != 1:
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"layer {name!r}: compute_bias looked its table up {len(lookups)} times, "
                 f"where one lookup was expected"
             )
@@ -104,7 +104,7 @@ def _patch(
             or bias.shape != (1, values.shape[2], *ids.shape)
             or not torch.equal(bias.detach(), values.detach().permute(2, 0, 1).unsqueeze(0))
         ):
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"layer {name!r}: compute_bias does not return its (q, k) lookup as a "
                 f"(1, heads, q, k) bias"
             )

@@ -38,7 +38,7 @@ from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.capture.torch_session import CapturedPass
-from pergrad._src.errors import GhostUnsupported, is_pergrad_error
+from pergrad._src.errors import Unsupported, is_pergrad_error
 
 # [(weights (B,), indices of the leaves they weight)]: the leaves that share one weight array
 WeightGroups = list[tuple[Any, list[int]]]
@@ -156,12 +156,12 @@ def formed_gradients(session: CapturedPass) -> dict[str, torch.Tensor]:
             grads = torch_generic.per_example(
                 module, unit_params, session.unit_records[unit], batch_size, constants
             )
-        except GhostUnsupported as err:
-            raise GhostUnsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
+        except Unsupported as err:
+            raise Unsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
         except Exception as err:
             if is_pergrad_error(err):
                 raise
-            raise GhostUnsupported(
+            raise Unsupported(
                 f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
                 f"could not vectorise it alone ({type(err).__name__}: {err})"
             ) from err

@@ -37,7 +37,7 @@ from pergrad._src.capture.torch_engine import (
 from pergrad._src.capture.torch_plan import Ownership, ownership
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # Why reentrant activation checkpointing cannot take the ghost path (found by its first backward
 # pass): "auto" takes the chunked strategy, whose layer hooks run it with .backward().
@@ -234,13 +234,13 @@ def _light_input(record: LayerRecord) -> torch.Tensor | None:
 @contextmanager
 def reentrant_refused() -> Iterator[None]:
     """Turn the error of a backward pass through reentrant activation checkpointing into
-    :class:`GhostUnsupported` (:data:`REENTRANT`); other errors pass through."""
+    :class:`Unsupported` (:data:`REENTRANT`); other errors pass through."""
     try:
         yield
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
-        raise GhostUnsupported(REENTRANT) from err
+        raise Unsupported(REENTRANT) from err
 
 
 # complete(layer name, layer, its records) -> whether its output gradients may be dropped

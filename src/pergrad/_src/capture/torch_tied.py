@@ -43,7 +43,7 @@ from torch import nn
 from pergrad._src.capture import torch_layers
 from pergrad._src.capture.rules import rule_for
 from pergrad._src.capture.torch_layers import LayerCall
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # cross(layer_a, calls_a, layer_b, calls_b) -> (B,) per-example <g_a, g_b> of the parameter the
 # two layers share, from their LayerCall records of one batched pass.
@@ -154,7 +154,7 @@ def tied_squared_norms(uses: list[Use], squared_norms: list[torch.Tensor]) -> to
     for first, second in combinations(uses, 2):
         cross = cross_rule(_family(first), _family(second))
         if cross is None:  # the plan refuses such ties before running
-            raise GhostUnsupported(f"no cross rule for {_family(first)} and {_family(second)}")
+            raise Unsupported(f"no cross rule for {_family(first)} and {_family(second)}")
         total = total + 2 * wide(cross(first.layer, first.calls, second.layer, second.calls))
     return total.clamp_min(0)
 
@@ -162,7 +162,7 @@ def tied_squared_norms(uses: list[Use], squared_norms: list[torch.Tensor]) -> to
 def _family(use: Use) -> tuple[str, str]:
     rule = rule_for(use.layer)
     if rule is None:
-        raise GhostUnsupported(f"no ghost rule for {type(use.layer).__name__}")
+        raise Unsupported(f"no ghost rule for {type(use.layer).__name__}")
     return rule.name, use.parameter
 
 

@@ -17,7 +17,7 @@ call of each layout (``torch_checks.layout_key``) establishes:
   layer may go unnoticed, and a model whose later calls of the same shapes take another path
   than its first is not checked again.
 
-Any failure is :class:`GhostUnsupported`.
+Any failure is :class:`Unsupported`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from pergrad._src.capture import torch_checks, torch_generic
 from pergrad._src.capture.torch_session import CapturedPass, reentrant_refused
 from pergrad._src.core.call import Call, Spec, single_example_fn
-from pergrad._src.errors import GhostUnsupported
+from pergrad._src.errors import Unsupported
 
 # Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding (under autocast, for
 # bfloat16 / float16 rounding: the norms come from the records, the batch gradient was rounded).
@@ -144,7 +144,7 @@ def _check_consistency(session: CapturedPass, batch_squared_norms: list[Any]) ->
     escaped = (batch_sq > bound * (1 + slack) + 1e-30).nonzero().flatten().tolist()
     if escaped:
         names = {session.index_of(name): name for name in session.params}
-        raise GhostUnsupported(
+        raise Unsupported(
             f"parameter {names[checked[escaped[0]][0]]!r} has a batch gradient larger than its "
             f"per-example norms allow: it is used outside the forward pass of the layer that "
             f"owns it"
@@ -232,7 +232,7 @@ def check_losses_alone(spec: Spec, call: Call, session: CapturedPass) -> None:
         single, detached, batched, session.losses.detach(), torch_checks.LOSS_CHECKS
     )
     if index is not None:
-        raise GhostUnsupported(
+        raise Unsupported(
             f"example {index} gets another loss when run alone than in the batched pass: the "
             f"examples interact (batch statistics, a branch on the whole batch), or the "
             f"model's output does not hold the batch on axis 0"

@@ -31,7 +31,7 @@ from typing import Any
 
 from pergrad._src.backends import Backend
 from pergrad._src.core.call import Call, Spec, single_example_fn
-from pergrad._src.errors import FallbackWarning
+from pergrad._src.errors import FallbackWarning, Unsupported
 from pergrad._src.strategies.loop import loop
 from pergrad._src.strategies.protocol import (
     Assessment,
@@ -164,7 +164,7 @@ def _hooked(
                 column.append((g.reshape(g.shape[0], -1) ** 2).sum(1))
             if len(starts) == 1:
                 kept.append(grads)
-    except hooks_torch.HooksUnsupported as err:
+    except Unsupported as err:
         return f"{cause}; layer hooks cannot take it either ({err})"
     squared = [bk.concatenate(column, 0) for column in columns]
     if spec.resolved != "hooks":

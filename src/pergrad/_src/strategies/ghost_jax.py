@@ -20,7 +20,7 @@ from its uses' records (``jax_contractions.tied_squared_norms``). Parameters use
 (biases, norm scales, a weight shared by several dense layers, anything inside ``scan`` /
 ``cond`` / a ``custom_jvp``) get ordinary per-example gradients in the same pass;
 ``strategy="auto"`` takes the ghost strategy only when those stay small
-(:data:`MAX_MATERIALIZED_NUMBERS`).
+(``capture/cost.MAX_FORMED_NUMBERS``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pergrad._src.capture import jax_contractions  # registers the rules; tied tables
+from pergrad._src.capture import cost, jax_contractions  # importing it registers the rules
 from pergrad._src.capture.jax_engine import JaxGhostPlan, JaxRecords, describe, plan, records
 from pergrad._src.capture.jax_rules import rule_for
 from pergrad._src.core.call import Call, Spec
@@ -45,10 +45,6 @@ from pergrad._src.strategies.protocol import (
     WeightsFn,
     per_leaf_weights,
 )
-
-# "auto" takes the ghost strategy only if the parameters it cannot cover would not need more
-# than this many per-example gradient numbers (B x their size); 128 MB in float32.
-MAX_MATERIALIZED_NUMBERS = 2**25
 
 
 def materialized_numbers(ghost_plan: JaxGhostPlan, call: Call) -> int:
@@ -79,7 +75,7 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
             "ghost", "requested", None, layers, materialized, found, _routes(found, names)
         )
         return Assessment("ghost", True, "requested", choice)
-    if found.sites and numbers <= MAX_MATERIALIZED_NUMBERS:
+    if found.sites and numbers <= cost.MAX_FORMED_NUMBERS:
         why = (
             "every differentiated parameter enters the loss through a contraction"
             if not materialized
@@ -93,7 +89,7 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
         "no differentiated parameter enters the loss through a contraction"
         if not found.sites
         else f"the parameters outside contractions would need {numbers:,} per-example numbers "
-        f"(more than {MAX_MATERIALIZED_NUMBERS:,}): {_listing(materialized)}"
+        f"(more than {cost.MAX_FORMED_NUMBERS:,}): {_listing(materialized)}"
     )
     return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers, materialized))
 

@@ -67,7 +67,7 @@ What the hooks cannot see, and how it is handled:
   has passed (in the low-memory mode's sums, before it: its values are used, and its errors
   raised, only after the check). A layer run alone must also reproduce its batched output
   from each example's slice of its inputs. Any failure is
-  :class:`GhostUnsupported`, and ``"auto"`` takes the chunked strategy with a warning;
+  :class:`Unsupported`, and ``"auto"`` takes the chunked strategy with a warning;
 - a layer called with keyword arguments, or an input changed in place after the layer read it:
   found while running, reported the same way;
 - activation checkpointing with ``use_reentrant=True`` (Hugging Face's default for
@@ -95,7 +95,7 @@ from typing import Any
 
 import torch
 
-from pergrad._src.capture import torch_generic, torch_passes, torch_quantities
+from pergrad._src.capture import cost, torch_passes, torch_quantities
 from pergrad._src.capture.torch_plan import GhostPlan, describe_formed, norm_route, plan
 from pergrad._src.capture.torch_quantities import weighted_calls
 from pergrad._src.capture.torch_session import CapturedPass
@@ -129,7 +129,7 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
         why = listing if forced else "layers without a ghost rule: " + listing
         return Assessment(name, False, why, StrategyChoice(name, why, None, layers, unsupported))
     generic = request.call.batch_size * found.generic_size
-    limit = torch_generic.MAX_MATERIALIZED_NUMBERS
+    limit = cost.MAX_FORMED_NUMBERS
     if forced:
         why = "requested"
     elif generic > limit:

@@ -57,8 +57,8 @@ from pergrad._src.capture.torch_engine import (
 )
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
-from pergrad._src.errors import GhostUnsupported, PergradValueError, is_pergrad_error
-from pergrad._src.strategies.protocol import Assessment, GradsRequest, Unsupported
+from pergrad._src.errors import PergradValueError, Unsupported, is_pergrad_error
+from pergrad._src.strategies.protocol import Assessment, GradsRequest
 from pergrad._src.strategies.vmap import vmap_failure
 
 # The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
@@ -66,10 +66,6 @@ from pergrad._src.strategies.vmap import vmap_failure
 _SUM_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 _SPOT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
 _LOSS_CHECKS = 64  # examples whose loss alone is compared on the first call
-
-
-class HooksUnsupported(Exception):
-    """This call cannot take the hooks strategy; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +151,7 @@ def value_and_grads(
 ) -> tuple[Any, list[Any]]:
     """``(losses (B,), per-example gradient leaves)`` by the hooks, chunk by chunk.
 
-    Raises :class:`HooksUnsupported` when a check fails (see the module docstring).
+    Raises :class:`Unsupported` when a check fails (see the module docstring).
     """
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
     refuse_batch_mixing_layers(loss.model, spec.func_name)
@@ -207,7 +203,7 @@ def _check_examples_independent(
             single, diff_values, batched_values, losses, _LOSS_CHECKS
         )
     if index is not None:
-        raise HooksUnsupported(f"{problem}: example {index}'s loss differs when alone")
+        raise Unsupported(f"{problem}: example {index}'s loss differs when alone")
     _, alone_grads = _one_pass(
         spec, call, hooks_plan, diff_values, tuple(v[:1] for v in batched_values), 1, False
     )
@@ -219,7 +215,7 @@ def _check_examples_independent(
         # scale of the whole model's gradient
         allowed = _SPOT_TOLERANCE.get(alone.dtype, 1e-2) * scale
         if error > allowed + torch.finfo(alone.dtype).eps * largest:
-            raise HooksUnsupported(f"{problem}: example 0's gradient differs when alone")
+            raise Unsupported(f"{problem}: example 0's gradient differs when alone")
     return True
 
 
@@ -243,18 +239,15 @@ def _one_pass(
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
     rng = call.backend.rng_state()
     try:
-        try:
-            losses, records, batch_grads = _forward_backward(
-                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
-            )
-        except RuntimeError as err:
-            if "use_reentrant=True" not in str(err):
-                raise
-            losses, records, batch_grads = _forward_backward_own(
-                spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
-            )
-    except GhostUnsupported as err:
-        raise HooksUnsupported(str(err)) from err
+        losses, records, batch_grads = _forward_backward(
+            spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
+        )
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        losses, records, batch_grads = _forward_backward_own(
+            spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
+        )
     if spec.randomness in (None, "error") and call.backend.rng_state_changed(rng):
         raise PergradValueError(
             f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "
@@ -300,14 +293,11 @@ def _batched_pass(
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
         batch_grads = backward(losses.sum(), verify)
         if verify:
-            try:
-                torch_checks.check_rows(
-                    records,
-                    lambda weights: backward((losses * weights).sum(), False),
-                    torch_checks.row_weights(batch_size, losses),
-                )
-            except GhostUnsupported as err:
-                raise HooksUnsupported(str(err)) from err
+            torch_checks.check_rows(
+                records,
+                lambda weights: backward((losses * weights).sum(), False),
+                torch_checks.row_weights(batch_size, losses),
+            )
     return losses, records, batch_grads
 
 
@@ -348,7 +338,7 @@ def _forward_backward_own(
     """The batch through the model's own parameters and ``.backward()`` (reentrant
     checkpointing); every ``.grad`` is restored afterwards. Batch gradients in ``diff`` order."""
     if not own_parameters(loss, params):
-        raise HooksUnsupported(
+        raise Unsupported(
             "checkpointing with use_reentrant=True recomputes the forward pass with the "
             "model's own parameters, and params are not those (pass loss.params())"
         )
@@ -385,10 +375,8 @@ def _gather(
     """``(module_name, attribute) -> (B, *shape)`` from each layer's rule."""
     result = {}
     for module_name, module in modules.items():
-        try:
-            calls = layer_calls(module_name, records[module_name])
-        except GhostUnsupported as err:  # an input changed in place after the layer read it
-            raise HooksUnsupported(str(err)) from err
+        # raises Unsupported for an input changed in place after the layer read it
+        calls = layer_calls(module_name, records[module_name])
         if not calls:  # never called, or its output did not reach the loss
             continue
         with torch.no_grad():
@@ -422,7 +410,7 @@ def _check_sums(
     for name, error, scale, dtype in checks:
         allowed = _SUM_TOLERANCE.get(dtype, 1e-2) * scale + torch.finfo(dtype).eps * largest
         if error > allowed:
-            raise HooksUnsupported(
+            raise Unsupported(
                 f"the per-example gradients of {name!r} from the layer hooks do not add up to "
                 f"its batch gradient: the parameter is used outside the forward pass of its layer"
             )
@@ -455,8 +443,6 @@ def run(request: GradsRequest, verdict: Assessment) -> Any:
             request.batched_values,
             request.batch_size,
         )
-    except HooksUnsupported as err:
-        raise Unsupported(str(err)) from err
     except Exception as err:
         if is_pergrad_error(err) or spec.strategy == "hooks":
             raise

@@ -56,11 +56,6 @@ class LeafReduction(NamedTuple):
     reduced: bool
 
 
-class Unsupported(Exception):
-    """Raised by :meth:`Strategy.run` when it finds, while running, that it cannot take a call;
-    the message says why (it is shown to the user)."""
-
-
 @dataclass(frozen=True)
 class StrategyChoice:
     """How a call of :func:`per_example_norms_of` / :func:`clipped_sum_of` will be computed.

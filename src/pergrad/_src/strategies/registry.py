@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pergrad._src.errors import GhostUnsupported, PergradValueError, warn_from_caller
+from pergrad._src.errors import PergradValueError, Unsupported, warn_from_caller
 from pergrad._src.strategies import chunked, loop, materialize, vmap
 from pergrad._src.strategies.protocol import (
     Assessment,
@@ -54,7 +54,6 @@ from pergrad._src.strategies.protocol import (
     ReduceRequest,
     Reduction,
     StrategyChoice,
-    Unsupported,
 )
 
 
@@ -240,18 +239,15 @@ def _assess_ghost(request: ReduceRequest, forced: bool, _: dict[str, Assessment]
 def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
     choice = verdict.choice
     assert choice is not None
-    try:
-        if request.call.backend.name == "jax":
-            from pergrad._src.strategies import ghost_jax
+    if request.call.backend.name == "jax":
+        from pergrad._src.strategies import ghost_jax
 
-            return ghost_jax.ghost(request.spec, request.call, choice.plan, request.weights_from)
-        from pergrad._src.strategies import ghost_torch
+        return ghost_jax.ghost(request.spec, request.call, choice.plan, request.weights_from)
+    from pergrad._src.strategies import ghost_torch
 
-        return ghost_torch.ghost(
-            request.spec, request.call, request.fn, choice.layers, request.weights_from
-        )
-    except GhostUnsupported as err:
-        raise Unsupported(str(err)) from err
+    return ghost_torch.ghost(
+        request.spec, request.call, request.fn, choice.layers, request.weights_from
+    )
 
 
 def _assess_ghost_lowmem(
@@ -276,17 +272,9 @@ def _run_ghost_lowmem(request: ReduceRequest, verdict: Assessment) -> Reduction:
     assert choice is not None
     from pergrad._src.strategies import ghost_torch
 
-    try:
-        return ghost_torch.ghost(
-            request.spec,
-            request.call,
-            request.fn,
-            choice.layers,
-            request.weights_from,
-            low_memory=True,
-        )
-    except GhostUnsupported as err:
-        raise Unsupported(str(err)) from err
+    return ghost_torch.ghost(
+        request.spec, request.call, request.fn, choice.layers, request.weights_from, low_memory=True
+    )
 
 
 def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> list[Any]:
@@ -316,7 +304,7 @@ def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> 
                 request.spec, call, request.fn, verdict.choice.layers, reduction, args
             )
         why = verdict.why
-    except GhostUnsupported as err:
+    except Unsupported as err:
         why = str(err)
     warn_from_caller(
         f"{request.spec.func_name}: the capture engine cannot take this call ({why}); every "

@@ -10,9 +10,10 @@ from pergrad._src.backends import (
 )
 from pergrad._src.core.call import Call, Spec, single_example
 from pergrad._src.errors import (
+    Unsupported,
     is_pergrad_error,
 )
-from pergrad._src.strategies.protocol import Assessment, GradsRequest, Unsupported
+from pergrad._src.strategies.protocol import Assessment, GradsRequest
 
 
 def _without_losses(value_and_grad: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
