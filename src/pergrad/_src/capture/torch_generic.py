@@ -40,11 +40,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.capture.rules import rule_for
-from pergrad._src.capture.torch_checks import GradientSlot, rows_match
+from pergrad._src.capture.torch_checks import TOLERANCES, GradientSlot, rows_match
 from pergrad._src.errors import Unsupported
-
-# Relative tolerance of the first run's check: sum_i g_i == batch gradient.
-_SUM_RTOL = 1e-3
 
 
 def find_unit(model: nn.Module, owner: str) -> str | None:
@@ -174,7 +171,8 @@ def check_sums(
         if expected is None:
             continue
         error = torch.linalg.vector_norm(grads.sum(0) - expected)
-        if error > _SUM_RTOL * torch.linalg.vector_norm(expected) + 1e-12:
+        tolerance = TOLERANCES["unit_sum"].of(expected.dtype)
+        if error > tolerance * torch.linalg.vector_norm(expected) + 1e-12:
             raise Unsupported(
                 f"the per-example gradients of layer {unit_name!r} (run alone, without a ghost "
                 f"rule) do not add up to the batch gradient of {name!r}"

@@ -33,11 +33,6 @@ from pergrad._src.capture.torch_session import CapturedPass, reentrant_refused
 from pergrad._src.core.call import Call, Spec, single_example_fn
 from pergrad._src.errors import Unsupported
 
-# Slack of the check |sum_i g_i|^2 <= B sum_i |g_i|^2 for float rounding (under autocast, for
-# bfloat16 / float16 rounding: the norms come from the records, the batch gradient was rounded).
-_CONSISTENCY_SLACK = {torch.float32: 1e-3, torch.float64: 1e-3}
-_LOW_PRECISION_SLACK = 3e-2
-
 
 @dataclass(kw_only=True)
 class BatchGradient:
@@ -140,7 +135,8 @@ def _check_consistency(session: CapturedPass, batch_squared_norms: list[Any]) ->
         return
     batch_sq = torch.stack([g for _, g in checked])
     bound = session.batch_size * torch.stack([squared[k].sum() for k, _ in checked])
-    slack = _CONSISTENCY_SLACK.get(torch_checks.checked_dtype(batch_sq), _LOW_PRECISION_SLACK)
+    checked = torch_checks.checked_dtype(batch_sq)
+    slack = torch_checks.TOLERANCES["norms_consistency"].of(checked)
     escaped = (batch_sq > bound * (1 + slack) + 1e-30).nonzero().flatten().tolist()
     if escaped:
         names = {session.index_of(name): name for name in session.params}

@@ -61,10 +61,6 @@ from pergrad._src.errors import PergradValueError, Unsupported, is_pergrad_error
 from pergrad._src.strategies.protocol import Assessment, GradsRequest
 from pergrad._src.strategies.vmap import vmap_failure
 
-# The sum check: |sum_i g_i - batch gradient| <= tolerance * sqrt(B * sum_i |g_i|^2), a bound on
-# the summation's rounding (sum_i |g_i| <= sqrt(B sum_i |g_i|^2)) times a few ulps.
-_SUM_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-_SPOT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
 _LOSS_CHECKS = 64  # examples whose loss alone is compared on the first call
 
 
@@ -213,7 +209,7 @@ def _check_examples_independent(
     for error, scale, alone in zip(errors, scales, alone_grads):
         # as in _check_sums: a gradient that cancels to rounding noise is judged at the
         # scale of the whole model's gradient
-        allowed = _SPOT_TOLERANCE.get(alone.dtype, 1e-2) * scale
+        allowed = torch_checks.TOLERANCES["gradient_alone"].of(alone.dtype) * scale
         if error > allowed + torch.finfo(alone.dtype).eps * largest:
             raise Unsupported(f"{problem}: example 0's gradient differs when alone")
     return True
@@ -408,7 +404,8 @@ def _check_sums(
         return
     largest = max(float(scale) for _, _, scale, _ in checks)
     for name, error, scale, dtype in checks:
-        allowed = _SUM_TOLERANCE.get(dtype, 1e-2) * scale + torch.finfo(dtype).eps * largest
+        tolerance = torch_checks.TOLERANCES["gradient_sum"].of(dtype)
+        allowed = tolerance * scale + torch.finfo(dtype).eps * largest
         if error > allowed:
             raise Unsupported(
                 f"the per-example gradients of {name!r} from the layer hooks do not add up to "
