@@ -10,7 +10,14 @@
 
 The noise is a mechanism (``noise=`` on every DP path and on the accounting): ``gaussian()``,
 independent Gaussian noise at every step, is the default; ``NoiseMechanism`` is the protocol a
-new mechanism implements (its state, its noise, its DP event).
+new mechanism implements (its state, its noise, its DP event). Correlated noise
+(matrix-factorisation DP-FTRL, jax-privacy's conventions) is made for one run: ``toeplitz``
+(banded Toeplitz strategies), ``blt`` (buffered linear Toeplitz) and ``optimal_blt`` (the BLT
+that minimises the largest prefix-sum error), accounted as one Gaussian release::
+
+    mech = pergrad.dp.optimal_blt(steps=1000)
+    opt = pergrad.dp.DPOptimizer(..., noise_multiplier=4.0, noise=mech)
+    pergrad.dp.epsilon(noise_multiplier=4.0, delta=1e-5, noise=mech)
 
 Privacy is accounted through Google's ``dp-accounting`` (the ``dp`` extra): ``epsilon``,
 ``noise_multiplier_for`` and the ``Accountant`` that counts training steps. The accounting
@@ -36,9 +43,11 @@ from typing import Any
 from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.dp.correlated import BLTNoise, CorrelatedNoise, ToeplitzNoise, blt, toeplitz
 from pergrad._src.dp.from_loss import clipped_sum_of, private_grad_of
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, gaussian
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
+from pergrad._src.dp.strategy_optimization import optimal_blt
 
 _LAZY = {
     "optax_aggregate": "pergrad._src.jax.optax",
@@ -71,8 +80,14 @@ __all__ = [
     "ClippedSum",
     "GaussianNoise",
     "NoiseMechanism",
+    "CorrelatedNoise",
+    "ToeplitzNoise",
+    "BLTNoise",
     "epsilon",
     "gaussian",
+    "toeplitz",
+    "blt",
+    "optimal_blt",
     "max_batch_size_for",
     "noise_multiplier_for",
     "pad_batch",

@@ -13,6 +13,14 @@ dataset (Poisson sampling by default: each example independently with probabilit
 ``noise_multiplier * C`` is added. ``steps`` such steps compose. No privacy math is written
 here: the DpEvent describing the run is handed to ``dp_accounting``'s RDP or PLD accountant.
 
+A noise mechanism made for one run (correlated noise: :func:`pergrad.dp.toeplitz`,
+:func:`pergrad.dp.blt`, :func:`pergrad.dp.optimal_blt`) knows its ``steps`` and
+``sample_rate``; with ``noise=`` such a mechanism they are taken from it (passing values that
+disagree is an error)::
+
+    mech = pergrad.dp.optimal_blt(steps=1000)
+    eps = epsilon(noise_multiplier=4.0, delta=1e-5, noise=mech)   # one Gaussian release
+
 ``dp-accounting`` is an optional dependency (``pip install 'pergrad[dp]'``); it is imported
 when a function here is called, not when pergrad is imported.
 """
@@ -115,7 +123,7 @@ class _Setting:
     ``batch_size`` and ``num_examples`` are set for ``sampling="fixed"`` only.
     """
 
-    sample_rate: float
+    sample_rate: float | None  # None: a mechanism accounted without sampling
     delta: float
     accountant: str
     sampling: str
@@ -134,11 +142,22 @@ class _Setting:
         num_examples: Any,
         noise: Any = None,
     ) -> _Setting:
-        sample_rate = check_sample_rate(fn, sample_rate)
+        mechanism = check_mechanism(fn, noise)
         delta = _check_delta(fn, delta)
         _check_choice(fn, "accountant", accountant, ACCOUNTANTS)
         _check_choice(fn, "sampling", sampling, SAMPLINGS)
-        mechanism = check_mechanism(fn, noise)
+        if sample_rate is None:  # _resolve_run allows it for a mechanism without sampling only
+            if sampling != "poisson":
+                raise PergradValueError(
+                    f"{fn}: sampling={sampling!r} does not apply to noise={mechanism!r}: it is "
+                    "accounted without sampling, for datasets that differ by adding or "
+                    "removing one example (the relation its sensitivity is computed for). "
+                    "Leave sampling out."
+                )
+            setting = cls(None, delta, accountant, sampling, None, None, mechanism)
+            setting._check_supported(fn)
+            return setting
+        sample_rate = check_sample_rate(fn, sample_rate)
         if sampling == "poisson":
             setting = cls(sample_rate, delta, accountant, sampling, None, None, mechanism)
         else:
@@ -164,6 +183,11 @@ class _Setting:
 
     def sampled(self, dpa: Any, release: Any) -> Any:
         """The DpEvent of one step: ``release`` on a batch drawn by this run's sampling."""
+        if self.sample_rate is None:
+            raise PergradValueError(
+                f"the DP event of noise={self.noise!r} asked for the run's sampling, but the "
+                "mechanism declares sample_rate=None (no sampling)."
+            )
         if self.sampling == "poisson":
             return dpa.PoissonSampledDpEvent(self.sample_rate, release)
         return dpa.SampledWithoutReplacementDpEvent(self.num_examples, self.batch_size, release)
@@ -220,14 +244,67 @@ def _check_fixed_batch(fn: str, sample_rate: float, num_examples: Any) -> tuple[
     return num_examples, batch_size
 
 
+def _resolve_run(
+    fn: str,
+    noise: NoiseMechanism,
+    sample_rate: Any,
+    steps: Any,
+    *,
+    with_steps: bool = True,
+) -> tuple[Any, Any]:
+    """``(sample_rate, steps)`` of the run: the caller's, or the mechanism's where it is made
+    for one run (``noise.steps`` not None); values that disagree with the mechanism's are
+    refused. ``with_steps=False`` (:class:`Accountant`, which counts its steps) skips steps."""
+    if noise.steps is None:
+        required = (("sample_rate", "a real number"), ("steps", "an int"))[: 1 + with_steps]
+        for (name, kind), value in zip(required, (sample_rate, steps)):
+            if value is None:
+                raise PergradTypeError(
+                    f"{fn}: {name} must be {kind}, got NoneType None: it is required with "
+                    f"noise={noise!r} (only a mechanism made for one run, such as "
+                    "pergrad.dp.toeplitz, blt or optimal_blt, supplies its own)."
+                )
+        return sample_rate, steps
+    if with_steps and steps is not None:
+        steps = check_count(fn, "steps", steps, minimum=0)
+        if steps != noise.steps:
+            raise PergradValueError(
+                f"{fn}: steps={steps} disagrees with noise={noise!r}, made for "
+                f"steps={noise.steps}; leave steps out (it is taken from the mechanism) or make "
+                f"the mechanism for {steps} steps."
+            )
+    own_rate = noise.sample_rate
+    if sample_rate is not None:
+        if own_rate is None:
+            raise PergradValueError(
+                f"{fn}: sample_rate={sample_rate!r} disagrees with noise={noise!r}, whose "
+                "sample_rate is None: it is accounted without amplification by sampling (the "
+                "whole run is one Gaussian release), so no sample_rate applies. Leave it out."
+            )
+        if check_sample_rate(fn, sample_rate) != own_rate:
+            raise PergradValueError(
+                f"{fn}: sample_rate={sample_rate!r} disagrees with noise={noise!r}, whose "
+                f"sample_rate is {own_rate!r}; leave sample_rate out."
+            )
+    return own_rate, noise.steps
+
+
+def _require_delta(fn: str, delta: Any) -> Any:
+    if delta is None:
+        raise PergradTypeError(
+            f"{fn}: delta is required (the delta of (epsilon, delta)-DP, e.g. 1e-5)."
+        )
+    return delta
+
+
 # --- public API ---------------------------------------------------------------------------
 
 
 def epsilon(
     noise_multiplier: float,
-    sample_rate: float,
-    steps: int,
-    delta: float,
+    sample_rate: float | None = None,
+    steps: int | None = None,
+    delta: float | None = None,
     accountant: str = "rdp",
     *,
     sampling: str = "poisson",
@@ -245,10 +322,12 @@ def epsilon(
       noise_multiplier: noise standard deviation divided by the clipping norm, ``>= 0``. With
         0 (no noise) and ``steps >= 1`` the answer is ``math.inf``.
       sample_rate: probability that an example is in a batch, in ``(0, 1]``
-        (``expected_batch_size / num_examples``).
-      steps: number of noisy steps taken, an int ``>= 0``; 0 steps give ``0.0``.
+        (``expected_batch_size / num_examples``). Taken from ``noise`` where it is made for
+        one run (then None, or the same value).
+      steps: number of noisy steps taken, an int ``>= 0``; 0 steps give ``0.0``. Taken from
+        ``noise`` where it is made for one run (then None, or the same value).
       delta: the delta of ``(epsilon, delta)``-DP, in ``(0, 1)``; usually below
-        ``1 / num_examples``.
+        ``1 / num_examples``. Required.
       accountant: ``"rdp"`` (Rényi DP, ``dp_accounting.rdp.RdpAccountant`` with its default
         orders; fast, a few tens of ms) or ``"pld"`` (privacy loss distributions,
         ``dp_accounting.pld.PLDAccountant``; tighter, i.e. smaller epsilon, but slower: about
@@ -264,7 +343,11 @@ def epsilon(
         walking through the data in order is neither, and neither analysis applies to it.
       num_examples: the dataset size; needed for ``sampling="fixed"`` only.
       noise: the run's noise mechanism, whose DP event is accounted (None:
-        :func:`pergrad.dp.gaussian`, independent Gaussian noise at every step).
+        :func:`pergrad.dp.gaussian`, independent Gaussian noise at every step). Correlated
+        noise (:func:`pergrad.dp.toeplitz`, :func:`pergrad.dp.blt`,
+        :func:`pergrad.dp.optimal_blt`) is one Gaussian release of ``noise_multiplier`` for
+        the whole run, without sampling: ``epsilon(noise_multiplier=..., delta=...,
+        noise=mech)``.
 
     Returns:
       epsilon as a float (``math.inf`` when there is no noise).
@@ -275,16 +358,21 @@ def epsilon(
     """
     fn = "epsilon"
     noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
+    delta = _require_delta(fn, delta)
+    mechanism = check_mechanism(fn, noise)
+    sample_rate, steps = _resolve_run(fn, mechanism, sample_rate, steps)
     steps = check_count(fn, "steps", steps, minimum=0)
-    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples, noise)
+    setting = _Setting.validated(
+        fn, sample_rate, delta, accountant, sampling, num_examples, mechanism
+    )
     return setting.epsilon(noise_multiplier, steps)
 
 
 def noise_multiplier_for(
     target_epsilon: float,
     delta: float,
-    sample_rate: float,
-    steps: int,
+    sample_rate: float | None = None,
+    steps: int | None = None,
     accountant: str = "rdp",
     *,
     sampling: str = "poisson",
@@ -309,9 +397,9 @@ def noise_multiplier_for(
     Args:
       target_epsilon: the epsilon to reach, ``> 0``.
       delta: as for :func:`epsilon`.
-      sample_rate: as for :func:`epsilon`.
-      steps: as for :func:`epsilon`. With ``steps == 0`` nothing is released and the answer is
-        ``0.0``.
+      sample_rate: as for :func:`epsilon` (taken from ``noise`` where it is made for one run).
+      steps: as for :func:`epsilon` (taken from ``noise`` where it is made for one run). With
+        ``steps == 0`` nothing is released and the answer is ``0.0``.
       accountant: as for :func:`epsilon`.
       sampling: as for :func:`epsilon`.
       num_examples: as for :func:`epsilon`.
@@ -332,8 +420,12 @@ def noise_multiplier_for(
         raise PergradValueError(
             f"{fn}: target_epsilon must be finite and > 0, got {target_epsilon!r}."
         )
+    mechanism = check_mechanism(fn, noise)
+    sample_rate, steps = _resolve_run(fn, mechanism, sample_rate, steps)
     steps = check_count(fn, "steps", steps, minimum=0)
-    setting = _Setting.validated(fn, sample_rate, delta, accountant, sampling, num_examples, noise)
+    setting = _Setting.validated(
+        fn, sample_rate, delta, accountant, sampling, num_examples, mechanism
+    )
     tolerance = check_real(fn, "tolerance", tolerance)
     if not 0.0 < tolerance < math.inf:
         raise PergradValueError(f"{fn}: tolerance must be finite and > 0, got {tolerance!r}.")
@@ -417,14 +509,17 @@ class Accountant:
         ``num_examples``).
       num_examples: as for :func:`epsilon`.
       noise: as for :func:`epsilon`; a ``DPOptimizer`` or ``DPTrainer`` given this accountant
-        must add the same mechanism's noise.
+        must add the same mechanism's noise. A mechanism made for one run (correlated noise)
+        supplies ``sample_rate`` (None: no sampling); its run is one Gaussian release, so from
+        the first step :meth:`epsilon` is the whole run's, and :meth:`step` refuses steps past
+        the mechanism's ``steps``.
     """
 
     def __init__(
         self,
         noise_multiplier: float,
-        sample_rate: float,
-        delta: float,
+        sample_rate: float | None = None,
+        delta: float | None = None,
         accountant: str = "rdp",
         *,
         sampling: str = "poisson",
@@ -433,8 +528,11 @@ class Accountant:
     ) -> None:
         fn = "Accountant"
         self._noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
+        delta = _require_delta(fn, delta)
+        mechanism = check_mechanism(fn, noise)
+        sample_rate, _ = _resolve_run(fn, mechanism, sample_rate, None, with_steps=False)
         self._setting = _Setting.validated(
-            fn, sample_rate, delta, accountant, sampling, num_examples, noise
+            fn, sample_rate, delta, accountant, sampling, num_examples, mechanism
         )
         self._steps = 0
         self._cached: tuple[int, float] | None = None
@@ -444,7 +542,8 @@ class Accountant:
         return self._noise_multiplier
 
     @property
-    def sample_rate(self) -> float:
+    def sample_rate(self) -> float | None:
+        """The Poisson sample rate; None for a mechanism accounted without sampling."""
         return self._setting.sample_rate
 
     @property
@@ -471,7 +570,15 @@ class Accountant:
 
     def step(self, n: int = 1) -> None:
         """Records ``n`` more DP-SGD steps (``n >= 0``, an int)."""
-        self._steps += check_count("Accountant.step", "n", n, minimum=0)
+        n = check_count("Accountant.step", "n", n, minimum=0)
+        limit = self._setting.noise.steps
+        if limit is not None and self._steps + n > limit:
+            raise PergradValueError(
+                f"Accountant.step: noise={self._setting.noise!r} is made for a run of "
+                f"steps={limit}, and {self._steps} + {n} steps were recorded; its accounting "
+                "covers that run only."
+            )
+        self._steps += n
 
     def epsilon(self) -> float:
         """The epsilon spent so far at this accountant's delta; ``0.0`` before any step."""
@@ -483,9 +590,10 @@ class Accountant:
     def __repr__(self) -> str:
         setting = self._setting
         fixed = f", num_examples={setting.num_examples}" if setting.sampling == "fixed" else ""
+        rate = "None" if setting.sample_rate is None else f"{setting.sample_rate:g}"
         return (
             f"Accountant(noise_multiplier={self._noise_multiplier:g}, "
-            f"sample_rate={setting.sample_rate:g}, delta={setting.delta:g}, "
+            f"sample_rate={rate}, delta={setting.delta:g}, "
             f"accountant={setting.accountant!r}, sampling={setting.sampling!r}{fixed}, "
             f"steps={self._steps})"
         )

@@ -19,6 +19,10 @@ A new mechanism is one subclass in one module::
         def dp_event(self, dpa, noise_multiplier, steps, sampled):
             return ...                        # a dp_accounting.DpEvent for the whole run
 
+A mechanism made for one run (correlated noise, :mod:`pergrad._src.dp.correlated`) also says
+its :attr:`NoiseMechanism.steps` and :attr:`NoiseMechanism.sample_rate`, which the accounting
+then takes from it.
+
 The noise is drawn through the backend protocol (``standard_normal``, ``split_key``,
 ``add_scaled``), so one mechanism serves JAX and PyTorch, a ``torch.Generator``, a JAX key and
 :class:`pergrad.dp.SecureRandom` alike.
@@ -41,6 +45,21 @@ class NoiseMechanism(abc.ABC):
     ``noise_multiplier * sensitivity`` of the clipped sum (``max_norm`` for flat clipping);
     a mechanism that correlates its draws across steps scales them by it.
     """
+
+    @property
+    def steps(self) -> int | None:
+        """The number of steps of the run this mechanism is made for, or None for a mechanism
+        that serves a run of any length (:func:`gaussian`). The accounting takes ``steps`` from
+        a mechanism that fixes them, and :meth:`add` may refuse a step past them."""
+        return None
+
+    @property
+    def sample_rate(self) -> float | None:
+        """Read only where :attr:`steps` is not None: the Poisson sample rate that the
+        mechanism's DP event assumes, None where it assumes no sampling (the accounting then
+        takes no ``sample_rate``). A mechanism that fixes no run leaves the sampling to the
+        caller of the accounting."""
+        return None
 
     def init(self, template: Any) -> Any:
         """The state of a fresh run; ``template`` is a pytree shaped like the clipped sums
