@@ -3,11 +3,11 @@ gradients, and the per-layer rules that reduce those records per example.
 
 - ``rules.py``: the layer-rule registry (:func:`rule_for`, :func:`register`, and
   :func:`register_reduction` for plug-in reductions).
-- ``torch_layers.py``: the rules for PyTorch's standard layers (Linear, convolutions,
-  Embedding, norm layers, Hugging Face Conv1D and RMS norms).
+- ``torch_layers.py``: the rules for PyTorch's dense layers (Linear, convolutions, Embedding,
+  Hugging Face Conv1D) and the maths other rule files share.
 - ``torch_attention.py``: the rule of ``nn.MultiheadAttention`` (its attention recomputed from
   the recorded call; its projections reduced as linear layers).
-- ``torch_rules/``: one file per newer layer family (``bilinear.py``); importing the package
+- ``torch_rules/``: one file per newer layer family (``norms.py``, ``bilinear.py``); importing the package
   registers every rule (the two files above included), so a new family is one file.
 - ``torch_engine.py``: the forward / tensor hooks that record each layer call over one pass,
   and the per-example losses of a ``module_loss`` output.

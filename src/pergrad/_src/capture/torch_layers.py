@@ -1,20 +1,21 @@
-"""Ghost-norm rules for PyTorch layers: each example's squared gradient norm per parameter.
+"""Ghost-norm rules for PyTorch's dense layers, and what other rule files share with them.
 
 Each rule sees the layer's calls in one forward pass over the whole batch (the inputs it got and
 the gradient of the summed per-example losses with respect to its output, batch first) and
 returns ``{param_name: (B,)}`` squared norms without forming the ``(B, *param_shape)``
-per-example gradients, except where those are as small as the activations (normalisation
-layers). Each family also has a ``per_example`` function that forms those gradients from the same
-calls, for the ``"hooks"`` strategy of :func:`pergrad.per_example_grads`. A layer called several times in one pass (a shared block) is handled by treating every
-call's positions as more tokens of one sequence: the per-example gradient is the sum over calls.
+per-example gradients. Each family also has a ``per_example`` function that forms those
+gradients from the same calls, for the ``"hooks"`` strategy of
+:func:`pergrad.per_example_grads`. A layer called several times in one pass (a shared block) is
+handled by treating every call's positions as more tokens of one sequence: the per-example
+gradient is the sum over calls.
 
-Families covered: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
+Families here: ``nn.Linear`` (any number of leading token dimensions), ``nn.Conv1d`` /
 ``nn.Conv2d`` / ``nn.Conv3d`` and the transposed ``nn.ConvTranspose1d/2d/3d`` (stride, padding
 incl. ``"same"`` and non-zero padding modes, output padding, dilation, groups),
-``nn.Embedding``, Hugging Face's ``Conv1D`` (GPT-2's linear layers), ``nn.LayerNorm``,
-``nn.GroupNorm``, ``nn.RMSNorm``, Hugging Face's RMS norms (``LlamaRMSNorm``, ``T5LayerNorm``...,
-matched by their attributes and checked against their output), ``nn.InstanceNorm*d`` and
-``nn.BatchNorm*d`` in eval mode. ``nn.MultiheadAttention``: ``torch_attention.py``.
+``nn.Embedding`` and Hugging Face's ``Conv1D`` (GPT-2's linear layers). Normalisation layers:
+``torch_rules/norms.py``; ``nn.Bilinear``: ``torch_rules/bilinear.py``;
+``nn.MultiheadAttention``: ``torch_attention.py``. Shared: :class:`LayerCall`,
+:func:`outer_product_squared_norms`, :func:`tokens`, :func:`squared_norms_of`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad._src.capture.cost import dense_route, gram_is_cheaper
-from pergrad._src.capture.rules import in_reduction_precision, register
-from pergrad._src.capture.torch_checks import rows_match
-from pergrad._src.errors import Unsupported
+from pergrad._src.capture.rules import register
 
 
 @dataclass
@@ -134,7 +133,7 @@ def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _squared(per_example: torch.Tensor) -> torch.Tensor:
+def squared_norms_of(per_example: torch.Tensor) -> torch.Tensor:
     """``(B, ...)`` per-example gradients of one parameter -> ``(B,)`` squared norms."""
     return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
 
@@ -197,7 +196,7 @@ def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, 
     activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
     if layer.bias is not None:
-        result["bias"] = _squared(output_grads.sum(1))
+        result["bias"] = squared_norms_of(output_grads.sum(1))
     return result
 
 
@@ -235,7 +234,7 @@ def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[st
     activations, output_grads = tokens(calls, width_in, width_out)
     result = {"weight": outer_product_squared_norms(activations[:, None], output_grads[:, None])}
     if layer.bias is not None:
-        result["bias"] = _squared(output_grads.sum(1))
+        result["bias"] = squared_norms_of(output_grads.sum(1))
     return result
 
 
@@ -392,9 +391,9 @@ def conv_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Te
         patches, output_grads = conv_tokens(layer, calls)
         result = {"weight": outer_product_squared_norms(patches, output_grads)}
     else:
-        result = {"weight": _squared(_conv_weight_per_example(layer, calls))}
+        result = {"weight": squared_norms_of(_conv_weight_per_example(layer, calls))}
     if layer.bias is not None:
-        result["bias"] = _squared(_conv_bias_per_example(calls))
+        result["bias"] = squared_norms_of(_conv_bias_per_example(calls))
     return result
 
 
@@ -463,213 +462,3 @@ def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict
     squared = output_grads.new_zeros(batch)
     squared.index_add_(0, unique_keys // layer.num_embeddings, (row_sums**2).sum(1))
     return {"weight": squared}
-
-
-def _sum_over(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    # Not x.sum(()): torch reads an empty dim list as "all dimensions".
-    return x.sum(dims) if dims else x
-
-
-def _affine_per_example(
-    layer: nn.Module, calls: list[LayerCall], normalize: Any, reduce_dims: Any
-) -> dict[str, torch.Tensor]:
-    """Per-example gradients of an elementwise affine ``y = x_hat * weight + bias``.
-
-    They are as small as one activation (``(B, *weight_shape)``), so the ghost rules form them
-    too: ``sum (x_hat * d)`` and ``sum d`` over the dimensions the parameters are broadcast along.
-    """
-    weight_grads, bias_grads = 0, 0
-    for call in calls:
-        x, output_grad = call.inputs[0], call.output_grad
-        dims = reduce_dims(x)
-        if getattr(layer, "weight", None) is not None:
-            weight_grads = weight_grads + _sum_over(normalize(x) * output_grad, dims)
-        if getattr(layer, "bias", None) is not None:
-            bias_grads = bias_grads + _sum_over(output_grad, dims)
-    result = {}
-    if getattr(layer, "weight", None) is not None:
-        result["weight"] = weight_grads
-    if getattr(layer, "bias", None) is not None:
-        result["bias"] = bias_grads
-    return result
-
-
-def _register_affine(
-    *layer_types: type,
-    name: str,
-    normalizer: Any,
-    reduce_dims: Any,
-    **options: Any,
-) -> None:
-    """Register a normalisation layer family: ``normalizer(layer)`` gives ``x -> x_hat`` and
-    ``reduce_dims(layer)`` gives ``x -> the dimensions the affine parameters broadcast along``;
-    ``options``: :func:`~pergrad._src.capture.rules.register`'s (``problem``, ``matches``...)."""
-
-    def per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-        return _affine_per_example(layer, calls, normalizer(layer), reduce_dims(layer))
-
-    def squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-        return {k: _squared(g) for k, g in per_example(layer, calls).items()}
-
-    register(
-        *layer_types,
-        name=name,
-        per_example=per_example,
-        route=lambda layer: (
-            "the per-example scale and shift gradients formed (a few widths per example)"
-        ),
-        **options,
-    )(squared_norms)
-
-
-def _trailing_norm_dims(layer: nn.Module) -> Any:
-    """The batch-and-token dimensions a LayerNorm / RMSNorm parameter is broadcast along."""
-    return lambda x: tuple(range(1, x.dim() - len(layer.normalized_shape)))
-
-
-def _channel_dims(layer: nn.Module) -> Any:
-    """Every dimension of ``(B, C, *spatial)`` but the batch and the channels."""
-    return lambda x: tuple(range(2, x.dim()))
-
-
-_register_affine(
-    nn.LayerNorm,
-    name="layer_norm",
-    normalizer=lambda layer: (
-        lambda x: F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
-    ),
-    reduce_dims=_trailing_norm_dims,
-    batch_axes=TOKENWISE,
-)
-
-if hasattr(nn, "RMSNorm"):  # torch >= 2.4
-    _register_affine(
-        nn.RMSNorm,
-        name="rms_norm",
-        normalizer=lambda layer: lambda x: F.rms_norm(x, layer.normalized_shape, None, layer.eps),
-        reduce_dims=_trailing_norm_dims,
-        batch_axes=TOKENWISE,
-    )
-
-
-def _hf_rms_epsilon(layer: nn.Module) -> Any:
-    """The epsilon of a Hugging Face RMS norm (``variance_epsilon``; ``eps`` in a class named
-    ``...RMSNorm``, Gemma's), or None."""
-    eps = getattr(layer, "variance_epsilon", None)
-    if eps is None and "RMSNorm" in type(layer).__name__:
-        eps = getattr(layer, "eps", None)
-    return eps if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
-
-
-def _is_hf_rms_norm(layer: nn.Module) -> bool:
-    """Hugging Face's RMS norms, one class per model (``LlamaRMSNorm``, ``T5LayerNorm``,
-    ``GemmaRMSNorm``...): a float epsilon and one parameter, a ``weight`` vector."""
-    if _hf_rms_epsilon(layer) is None:
-        return False
-    params = list(layer.named_parameters())
-    return len(params) == 1 and params[0][0] == "weight" and params[0][1].dim() == 1
-
-
-def _hf_rms_normalize(layer: nn.Module) -> Any:
-    """``x -> x / sqrt(mean(x^2) + eps)`` over the last axis, computed in float32 at least
-    (every such class upcasts a float16 / bfloat16 input for it)."""
-    eps = _hf_rms_epsilon(layer)
-
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        x = x.float() if x.element_size() < 4 else x
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-    return normalize
-
-
-def _hf_rms_record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Check that the layer computes ``weight * x_hat`` (or Gemma's ``(1 + weight) * x_hat``:
-    the weight's gradient is ``x_hat`` times the output gradient either way) on this call;
-    it is then recorded as a plain layer. The classes are matched by their attributes, so a
-    class computing something else is refused here, not reduced wrongly."""
-    x = args[0] if args else None
-    weight = layer.weight  # the value of this pass (functional_call swaps it in)
-    if not (
-        isinstance(x, torch.Tensor)
-        and isinstance(output, torch.Tensor)
-        and x.dim() > 1
-        and output.shape == x.shape
-        and x.shape[-1] == weight.numel()
-    ):
-        raise Unsupported(
-            f"{type(layer).__name__} did not map one (..., {weight.numel()}) input to an "
-            f"output of its shape"
-        )
-    with torch.no_grad(), in_reduction_precision(x.device):
-        x_hat = _hf_rms_normalize(layer)(x)
-        got = output.reshape(output.shape[0], -1)
-        scale = weight.to(x_hat.dtype)
-        for offset in (0.0, 1.0):
-            if rows_match(got, ((scale + offset) * x_hat).reshape(got.shape).to(got.dtype)):
-                return
-    raise Unsupported(
-        f"{type(layer).__name__} has the attributes of an RMS norm (weight, epsilon) but does "
-        f"not compute weight * x / sqrt(mean(x^2) + eps)"
-    )
-
-
-_register_affine(
-    name="hf_rms_norm",
-    normalizer=_hf_rms_normalize,
-    reduce_dims=lambda layer: lambda x: tuple(range(1, x.dim() - 1)),
-    matches=_is_hf_rms_norm,
-    record=_hf_rms_record,
-    batch_axes=TOKENWISE,
-)
-
-_register_affine(
-    nn.GroupNorm,
-    name="group_norm",
-    normalizer=lambda layer: lambda x: F.group_norm(x, layer.num_groups, None, None, layer.eps),
-    reduce_dims=_channel_dims,
-)
-
-
-def _running_stats(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running mean and variance in ``x``'s dtype: a bfloat16 model's inputs reach the
-    rules widened to float32 (rules.py), and torch refuses mixed dtypes here."""
-    return layer.running_mean.to(x.dtype), layer.running_var.to(x.dtype)
-
-
-def _instance_normalizer(layer: nn.Module) -> Any:
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        if layer.training or not layer.track_running_stats:  # each example's own statistics
-            return F.instance_norm(x, eps=layer.eps)
-        mean, var = _running_stats(layer, x)
-        return F.instance_norm(x, mean, var, use_input_stats=False, eps=layer.eps)
-
-    return normalize
-
-
-_register_affine(
-    nn.InstanceNorm1d,
-    nn.InstanceNorm2d,
-    nn.InstanceNorm3d,
-    name="instance_norm",
-    normalizer=_instance_normalizer,
-    reduce_dims=_channel_dims,
-)
-
-
-def _batch_norm_problem(layer: nn.Module) -> str | None:
-    if layer.training or layer.running_mean is None:
-        return "it normalises with the statistics of the whole batch"
-    return None
-
-
-_register_affine(
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    name="batch_norm_eval",
-    normalizer=lambda layer: (
-        lambda x: F.batch_norm(x, *_running_stats(layer, x), None, None, False, 0.0, layer.eps)
-    ),
-    reduce_dims=_channel_dims,
-    problem=_batch_norm_problem,
-)

@@ -135,8 +135,8 @@ def _check_consistency(session: CapturedPass, batch_squared_norms: list[Any]) ->
         return
     batch_sq = torch.stack([g for _, g in checked])
     bound = session.batch_size * torch.stack([squared[k].sum() for k, _ in checked])
-    checked = torch_checks.checked_dtype(batch_sq)
-    slack = torch_checks.TOLERANCES["norms_consistency"].of(checked)
+    dtype = torch_checks.checked_dtype(batch_sq)
+    slack = torch_checks.TOLERANCES["norms_consistency"].of(dtype)
     escaped = (batch_sq > bound * (1 + slack) + 1e-30).nonzero().flatten().tolist()
     if escaped:
         names = {session.index_of(name): name for name in session.params}
