@@ -118,6 +118,24 @@ def test_encoder_with_padding_and_causal_masks_is_ghost_and_the_loops(batch_firs
     assert_updates_close(updates, torch_clipped_sum(want, max_norm), rtol=RTOL)
 
 
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "time-first"])
+def test_hooks_per_example_grads_of_an_encoder_are_the_loops(batch_first):
+    """The hooks strategy plans ownership as the ghost strategy does, so the attention's
+    out_proj (a submodule never called as a module) belongs to the attention's rule; the
+    hooks refused it before ("no layer rule for NonDynamicallyQuantizableLinear")."""
+    torch.manual_seed(0)
+    model = Encoder(batch_first).eval()
+    x, padding, labels = encoder_batch(2)
+    loss = pergrad.module_loss(model, F.cross_entropy, num_inputs=2)
+    grads = pergrad.per_example_grads(loss, strategy="hooks")(loss.params(), x, padding, labels)
+    want = torch_module_loop_grads(model, F.cross_entropy, [x, padding], [labels])
+    assert set(grads) == set(want)
+    for name, g in want.items():
+        np.testing.assert_allclose(
+            grads[name].double().numpy(), g.double().numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+        )
+
+
 class CrossAttention(nn.Module):
     """A decoder-style block: queries from ``x``, keys and values from ``memory`` (one tensor,
     or two), of other widths (separate projection weights) or not, with a float per-head mask,

@@ -55,6 +55,7 @@ from pergrad._src.capture.torch_engine import (
     model_and_loss_arguments,
     per_example_losses,
 )
+from pergrad._src.capture.torch_plan import uses_and_aliases
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
 from pergrad._src.errors import PergradValueError, Unsupported, is_pergrad_error
@@ -100,18 +101,15 @@ def plan(spec: Spec, loss: Any, params: Any) -> HooksPlan:
     ):
         return HooksPlan(unsupported={"params": "the hooks need a dict[str, Tensor] of parameters"})
     model = loss.model
-    uses_of: dict[int, list[tuple[str, str]]] = {}
-    by_name = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        module_name, _, attribute = name.rpartition(".")
-        uses_of.setdefault(id(param), []).append((module_name, attribute))
-        by_name[name] = param
+    # the ownership the ghost strategy plans with: a module registered under two names is one
+    # layer, and a rule's nested parameters (attention's out_proj) belong to its layer
+    uses_of, _ = uses_and_aliases(model, params)
     owners, unsupported = {}, {}
     for name in params:
-        if name not in by_name:
+        if name not in uses_of:
             unsupported[name] = "not a parameter of the model"
             continue
-        uses = uses_of[id(by_name[name])]
+        uses = uses_of[name]
         for module_name, _ in uses:
             module = model.get_submodule(module_name)
             rule = rule_for(module)
