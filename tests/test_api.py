@@ -49,6 +49,16 @@ def test_dir_shows_the_lazy_names_without_importing_a_framework():
     assert out.stdout.split() == ["True", "True", "False"]
 
 
+def test_dir_of_dp_shows_its_lazy_names_without_importing_a_framework():
+    code = (
+        "import sys, pergrad; names = dir(pergrad.dp); "
+        "print(all(n in names for n in ('DPOptimizer', 'optax_aggregate', 'PoissonBatchSampler', "
+        "'clip', 'toeplitz')), 'torch' in sys.modules, 'jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False", "False"]
+
+
 def test_linear_regression_matches_closed_form(fw):
     w, x, y = data()
     grads = pergrad.per_example_grads(linear_loss)(fw.array(w), fw.array(x), fw.array(y))

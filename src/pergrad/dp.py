@@ -108,3 +108,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pergrad.dp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy names too (DPOptimizer, optax_aggregate, ...), without importing their framework
+    return sorted({*globals(), *_LAZY})
