@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 
@@ -233,3 +234,31 @@ def test_optax_aggregate_refuses_noise_that_is_not_a_mechanism():
     _jax_problem()
     with pytest.raises(TypeError, match="optax_aggregate: noise must be a noise mechanism"):
         dp.optax_aggregate(1.0, 1.0, 0, noise=math.pi)
+
+
+# --- the realised batch size under Poisson sampling -------------------------------------------
+
+
+def test_dp_optimizer_warns_when_a_poisson_accountant_meets_the_realised_batch_size():
+    """Dividing by the realised batch size releases it, which the Poisson accounting does not
+    cover: said once, with the fix; not said when expected_batch_size is given."""
+    pytest.importorskip("dp_accounting")
+    torch, model, _, _ = _torch_problem()
+    accountant = dp.Accountant(1.0, 0.01, 1e-5)
+
+    def make(**kwargs):
+        return dp.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            model,
+            torch.nn.functional.mse_loss,
+            max_norm=1.0,
+            noise_multiplier=1.0,
+            accountant=accountant,
+            **kwargs,
+        )
+
+    with pytest.warns(pergrad.PrivacyWarning, match=r"expected_batch_size=sample_rate \* len"):
+        make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pergrad.PrivacyWarning)
+        make(expected_batch_size=4.0)

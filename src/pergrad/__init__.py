@@ -11,13 +11,14 @@ from typing import Any
 
 from pergrad import dp, influence, norms, outliers, testing
 from pergrad._src.api.grads import per_example_grads, value_and_per_example_grads
-from pergrad._src.errors import FallbackWarning, NonFiniteWarning
+from pergrad._src.errors import FallbackWarning, NonFiniteWarning, PrivacyWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FallbackWarning",
     "NonFiniteWarning",
+    "PrivacyWarning",
     "dp",
     "influence",
     "module_loss",

@@ -23,6 +23,10 @@ class FallbackWarning(UserWarning):
     """The framework could not vectorise ``fn`` and pergrad took a slower, correct strategy."""
 
 
+class PrivacyWarning(UserWarning):
+    """A DP setting that the privacy accounting does not cover as given (the fix is named)."""
+
+
 class NonFiniteWarning(UserWarning):
     """Some example's gradient was not finite (inf or nan): it was zeroed, so it contributed
     nothing to the step, and counted (``DPStep.nonfinite``, ``ClippedSum.nonfinite``)."""

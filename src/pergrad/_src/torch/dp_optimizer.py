@@ -11,7 +11,7 @@ from torch import nn
 
 from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.core.module_loss import module_loss
-from pergrad._src.dp.accounting import check_accountant_noise
+from pergrad._src.dp.accounting import Accountant, check_accountant_noise
 from pergrad._src.dp.clipping import ClippedSum, check_noise_multiplier, check_positive
 from pergrad._src.dp.from_loss import clipped_sum_run
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
@@ -19,6 +19,7 @@ from pergrad._src.errors import (
     NonFiniteWarning,
     PergradTypeError,
     PergradValueError,
+    PrivacyWarning,
     warn_from_caller,
 )
 from pergrad._src.torch.distributed import (
@@ -138,7 +139,9 @@ class DPOptimizer:
       max_norm: clipping bound ``C``, > 0.
       noise_multiplier: noise std divided by ``C``, >= 0.
       expected_batch_size: divide the noisy sum by this (global) number; None divides by the
-        actual number of examples (over all processes when distributed).
+        actual number of examples (over all processes when distributed), which releases the
+        realised batch size: with an ``Accountant`` of Poisson sampling that is said with a
+        :class:`pergrad.PrivacyWarning`.
       generator: the ``torch.Generator`` of the noise (None: torch's global generator); seed
         it securely for real privacy, or pass :class:`pergrad.dp.SecureRandom` to draw the
         noise from the operating system's cryptographic source. Distributed: rank 0's is used.
@@ -199,6 +202,7 @@ class DPOptimizer:
         scaler = _check_scaler(scaler, distributed)
         self.noise = check_mechanism("DPOptimizer", noise)
         check_accountant_noise("DPOptimizer", accountant, self.noise)
+        _warn_realised_batch_size(accountant, expected_batch_size)
         self._noise_state: Any = None  # the mechanism's state, made at the first step
         self.scaler = scaler
         self._scaled_loss = None if scaler is None else _ScaledLoss(loss_fn)
@@ -438,6 +442,24 @@ class DPOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _warn_realised_batch_size(accountant: Any, expected_batch_size: Any) -> None:
+    """Say so when the accountant assumes Poisson sampling but the step will divide by the
+    realised batch size: that size depends on the data, and the accounting does not cover its
+    release (the update's scale gives it away)."""
+    if expected_batch_size is not None or not isinstance(accountant, Accountant):
+        return
+    if accountant.sampling != "poisson" or accountant.sample_rate is None:
+        return
+    warn_from_caller(
+        f"DPOptimizer: the accountant assumes Poisson sampling (sample_rate="
+        f"{accountant.sample_rate:g}), but expected_batch_size is None, so each step divides "
+        f"by the realised batch size, which depends on the data and which the accounting does "
+        f"not cover. Pass expected_batch_size=sample_rate * len(dataset) (the global one when "
+        f"distributed).",
+        PrivacyWarning,
+    )
 
 
 class _ScaledLoss:
