@@ -43,7 +43,7 @@ from torch import nn
 
 from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.rules import Recorded, register
-from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms
+from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms, side_by_side
 from pergrad._src.errors import Unsupported
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
@@ -256,20 +256,18 @@ def _blocks(gradients: list[_Gradients]) -> list[tuple[str, torch.Tensor, torch.
         names, groups = ("in_proj_weight",) * 3, [(0,), (1,), (2,)]
     blocks = []
     for name, group in zip(names, groups):
-        inputs = _side_by_side(
-            [(g.call.query, g.call.key, g.call.value)[group[0]] for g in gradients]
+        inputs = side_by_side(
+            [(g.call.query, g.call.key, g.call.value)[group[0]] for g in gradients], 1
         )
-        grads = _side_by_side(
-            [torch.cat([(g.dq, g.dk, g.dv)[i] for i in group], -1) for g in gradients]
+        grads = side_by_side(
+            [torch.cat([(g.dq, g.dk, g.dv)[i] for i in group], -1) for g in gradients], 1
         )
         blocks.append((name, inputs, grads))
-    attended = _side_by_side([g.attended for g in gradients])
-    blocks.append(("out_proj.weight", attended, _side_by_side([g.output_grad for g in gradients])))
+    attended = side_by_side([g.attended for g in gradients], 1)
+    blocks.append(
+        ("out_proj.weight", attended, side_by_side([g.output_grad for g in gradients], 1))
+    )
     return blocks
-
-
-def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _bias_grads(

@@ -138,7 +138,7 @@ def squared_norms_of(per_example: torch.Tensor) -> torch.Tensor:
     return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
 
 
-def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+def side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat``, without the copy for the usual single call."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
@@ -147,8 +147,8 @@ def tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, 
     """Every call's inputs ``(B, N, width_in)`` and output gradients ``(B, N, width_out)``, the
     positions of all calls side by side (a layer called twice is one layer seeing more tokens)."""
     batch = calls[0].output_grad.shape[0]
-    activations = _side_by_side([c.inputs[0].reshape(batch, -1, width_in) for c in calls], 1)
-    output_grads = _side_by_side([c.output_grad.reshape(batch, -1, width_out) for c in calls], 1)
+    activations = side_by_side([c.inputs[0].reshape(batch, -1, width_in) for c in calls], 1)
+    output_grads = side_by_side([c.output_grad.reshape(batch, -1, width_out) for c in calls], 1)
     return activations, output_grads
 
 
@@ -283,8 +283,8 @@ def conv_tokens(layer: nn.Conv1d | nn.Conv2d, calls: list[LayerCall]) -> tuple[A
     of every call, positions side by side."""
     batch = calls[0].output_grad.shape[0]
     groups, channels_out = layer.groups, layer.out_channels
-    patches = _side_by_side([_conv_patches(layer, c.inputs[0]) for c in calls], 2)
-    output_grads = _side_by_side(
+    patches = side_by_side([_conv_patches(layer, c.inputs[0]) for c in calls], 2)
+    output_grads = side_by_side(
         [
             c.output_grad.reshape(batch, groups, channels_out // groups, -1).transpose(-1, -2)
             for c in calls

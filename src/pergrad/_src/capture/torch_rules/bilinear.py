@@ -17,26 +17,16 @@ from torch import nn
 
 from pergrad._src.capture.cost import formed_or_gram_route, gram_is_cheaper_for
 from pergrad._src.capture.rules import register
-from pergrad._src.capture.torch_layers import LayerCall
+from pergrad._src.capture.torch_layers import LayerCall, side_by_side, squared_norms_of, tokens
 
 
 def _positions(layer: nn.Bilinear, calls: list[LayerCall]) -> tuple[Any, Any, Any]:
     """``x1 (B, T, in1)``, ``x2 (B, T, in2)``, ``d (B, T, out)``: every call's positions side by
     side (a layer called twice sees more positions)."""
-    batch = calls[0].output_grad.shape[0]
-
-    def side_by_side(index: int, width: int) -> torch.Tensor:
-        parts = [
-            (c.inputs[index] if index < 2 else c.output_grad).reshape(batch, -1, width)
-            for c in calls
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-    return (
-        side_by_side(0, layer.in1_features),
-        side_by_side(1, layer.in2_features),
-        side_by_side(2, layer.out_features),
-    )
+    x1, d = tokens(calls, layer.in1_features, layer.out_features)
+    batch = d.shape[0]
+    x2 = side_by_side([c.inputs[1].reshape(batch, -1, layer.in2_features) for c in calls], 1)
+    return x1, x2, d
 
 
 def _widths(layer: nn.Bilinear) -> tuple[int, int, int]:
@@ -81,7 +71,7 @@ def bilinear_squared_norms(layer: nn.Bilinear, calls: list[LayerCall]) -> dict[s
         grams = [t @ t.transpose(1, 2) for t in wide]
         weight = (grams[0] * grams[1] * grams[2]).sum((1, 2)).to(d.dtype)
     else:
-        weight = bilinear_per_example(layer, calls)["weight"].square().flatten(1).sum(1)
+        weight = squared_norms_of(bilinear_per_example(layer, calls)["weight"])
     result = {"weight": weight}
     if layer.bias is not None:
         result["bias"] = (d.sum(1) ** 2).sum(1)
