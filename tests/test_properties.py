@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pergrad
@@ -105,6 +105,7 @@ def test_torch_mean_and_sum_equal_batch_gradients(shape):
 
 @SETTINGS
 @given(shapes, st.integers(1, 10))
+@example(shape=(7, 4, 2, 555333), chunk_size=1)  # torch: 1.03e-5 apart on a 1.9e-3 entry
 def test_chunked_equals_unchunked_on_both_backends(shape, chunk_size):
     params, x, y = make_problem(*shape)
     jax_args = ({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x), jnp.asarray(y))
@@ -112,8 +113,9 @@ def test_chunked_equals_unchunked_on_both_backends(shape, chunk_size):
     for loss, args in ((jax_loss, jax_args), (torch_loss, torch_args)):
         whole = pergrad.per_example_grads(loss)(*args)
         chunked = pergrad.per_example_grads(loss, chunk_size=chunk_size)(*args)
-        # Chunks run smaller matmuls, whose float32 sums round differently: ~1e-5 relative.
-        assert_trees_close(to_numpy(chunked), to_numpy(whole), rtol=1e-4, atol=1e-5)
+        # Chunks run smaller matmuls, whose float32 sums round differently: ~1e-5 relative to
+        # the terms summed, which can be absolute on an entry far smaller than they are.
+        assert_trees_close(to_numpy(chunked), to_numpy(whole), rtol=1e-4, atol=2e-5)
 
 
 @SETTINGS
