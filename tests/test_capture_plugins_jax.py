@@ -22,7 +22,7 @@ NAME = "test_kronecker_projection"
 
 @pytest.fixture
 def projection():
-    @jax_rules.register_reduction(NAME, "dense")
+    @jax_rules.register_reduction(NAME, "linear")
     def project(site, param, inputs, cotangents, projections):
         factors = dense_factors(site, inputs, cotangents)
         assert factors is not None and param.ndim == 2 and site.param_operand == 1
@@ -31,7 +31,7 @@ def projection():
         return jnp.einsum("btk,kq,btf,fp->bqp", a, p_in, d, p_out)
 
     yield project
-    jax_rules.rule_for_kind("dense").plugins.pop(NAME)
+    jax_rules.rule_for_family("linear").plugins.pop(NAME)
 
 
 def loss(params, ids, x, y):
@@ -96,17 +96,17 @@ def test_without_the_plug_in_every_leaf_comes_back_as_per_example_gradients():
 
 
 def test_built_in_reductions_and_unknown_plug_ins():
-    rule = jax_rules.rule_for_kind("conv")
+    rule = jax_rules.rule_for_family("conv")
     assert rule.reduction("squared_norms") is rule.squared_norms
     assert rule.reduction("per_example") is rule.per_example
     assert rule.reduction("no_such_reduction") is None
 
 
-def test_register_reduction_refuses_an_unknown_kind_or_a_built_in_name():
-    with pytest.raises(ValueError, match="no contraction kind 'dens'.*'dense'"):
-        jax_rules.register_reduction("x", "dens")
+def test_register_reduction_refuses_an_unknown_family_or_a_built_in_name():
+    with pytest.raises(ValueError, match="no layer family 'dense'.*'linear'"):
+        jax_rules.register_reduction("x", "dense")
     with pytest.raises(ValueError, match="'weighted_sum' is a built-in"):
-        jax_rules.register_reduction("weighted_sum", "dense")
+        jax_rules.register_reduction("weighted_sum", "linear")
 
 
 def test_reduction_must_be_a_name():

@@ -123,10 +123,10 @@ def test_flax_linen_transformer_with_tied_embedding():
         params,
         tokens(1),
         {
-            "['Embed_0']['embedding']": "tied: embedding + dense",
-            "['query']['kernel']": "dense",
-            "['out']['kernel']": "dense",
-            "['Dense_0']['kernel']": "dense",
+            "['Embed_0']['embedding']": "tied: embedding + linear",
+            "['query']['kernel']": "linear",
+            "['out']['kernel']": "linear",
+            "['Dense_0']['kernel']": "linear",
         },
     )
 
@@ -160,7 +160,7 @@ def test_flax_nnx_transformer():
         loss,
         state,
         tokens(2),
-        {"embedding": "tied: embedding + dense", "query": "dense", "up": "dense"},
+        {"embedding": "tied: embedding + linear", "query": "linear", "up": "linear"},
     )
 
 
@@ -202,5 +202,5 @@ def test_equinox_transformer():
         loss,
         params,
         tokens(3),
-        {".embed.weight": "embedding", ".query_proj.weight": "dense", ".head.weight": "dense"},
+        {".embed.weight": "embedding", ".query_proj.weight": "linear", ".head.weight": "linear"},
     )

@@ -359,7 +359,7 @@ def test_jax_ghost_masks_sites_and_other_leaves():
     params, x, y = jax_setup()
     choice = pergrad.norms.choose_strategy(jax_loss, params, x, y)
     assert choice.strategy == "ghost"
-    assert set(choice.layers.values()) == {"dense"} and len(choice.unsupported) == 2
+    assert set(choice.layers.values()) == {"linear"} and len(choice.unsupported) == 2
 
 
 def test_jax_every_example_non_finite_gives_a_zero_sum_on_the_chunked_path():

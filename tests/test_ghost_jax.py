@@ -125,12 +125,12 @@ def test_what_the_plan_finds_in_a_dense_network():
     ys = targets_for(forward, params, xs, seed=1)
     choice = choose_strategy(mse_loss(forward), params, xs, ys)
     assert choice.layers == {
-        "['attn']['k']": "dense",
-        "['attn']['o']": "dense",
-        "['attn']['q']": "dense",
-        "['attn']['v']": "dense",
-        "['mlp']['w1']": "dense",
-        "['mlp']['w2']": "dense",
+        "['attn']['k']": "linear",
+        "['attn']['o']": "linear",
+        "['attn']['q']": "linear",
+        "['attn']['v']": "linear",
+        "['mlp']['w1']": "linear",
+        "['mlp']['w2']": "linear",
     }
     # layer-norm scales and biases are not inside a contraction: formed per example
     assert len(choice.unsupported) == len(jax.tree_util.tree_leaves(params)) - 6
@@ -199,7 +199,7 @@ def test_ways_parameters_reach_a_contraction(name):
     args = two_layer_problem()
     choice = choose_strategy(loss, *args)
     assert choice.strategy == "ghost"
-    assert choice.layers == {"['w1']": "dense", "['w2']": "dense"}
+    assert choice.layers == {"['w1']": "linear", "['w2']": "linear"}
     assert choice.unsupported == {}
     if name == "bfloat16_cast":  # the gradient itself is rounded to bfloat16 on both paths
         grads = pergrad.per_example_grads(loss)(*args)
@@ -216,7 +216,7 @@ def test_a_shared_weight_is_formed_per_example():
 
     args = two_layer_problem()
     choice = choose_strategy(loss, *args)
-    assert choice.layers == {"['w2']": "dense"}
+    assert choice.layers == {"['w2']": "linear"}
     assert "used by 3 contractions" in choice.unsupported["['w1']"]
     check_against_materialized(loss, args)
 
@@ -250,8 +250,8 @@ def test_jit_mask_and_tuple_argnums():
     assert_trees_close(clipped.sum, expected.sum)
     choice = choose_strategy(loss, params["w1"], params["w2"], x, y, argnums=(0, 1))
     assert choice.layers == {
-        "argument 0 (the whole argument)": "dense",
-        "argument 1 (the whole argument)": "dense",
+        "argument 0 (the whole argument)": "linear",
+        "argument 1 (the whole argument)": "linear",
     }
 
 
@@ -315,7 +315,7 @@ def test_embedding_lookups_match_the_formed_gradient(name, seed, repeats):
 
     assert choose_strategy(loss, params, ids).layers == {
         "['table']": "embedding",
-        "['head']": "dense",
+        "['head']": "linear",
     }
     check_against_materialized(loss, (params, ids))
 
@@ -339,7 +339,7 @@ def test_a_tied_embedding_and_output_projection_take_the_ghost_path():
 
     choice = choose_strategy(loss, params, ids)
     assert choice.strategy == "ghost"
-    assert choice.layers == {"['table']": "tied: embedding + dense", "['w']": "dense"}
+    assert choice.layers == {"['table']": "tied: embedding + linear", "['w']": "linear"}
     assert choice.unsupported == {}
     check_against_materialized(loss, (params, ids))
     step = jax.jit(lambda p, ids: clipped_sum_of(loss, p, ids, max_norm=0.3, strategy="ghost"))
@@ -362,7 +362,7 @@ def test_a_table_read_twice_and_tied_to_the_head():
     def lookups_only(p, ids, targets):
         return jnp.sum(jnp.tanh(p["table"][ids] @ p["w"]) * p["table"][targets])
 
-    for fn, kinds in ((loss, "embedding + embedding + dense"), (lookups_only, None)):
+    for fn, kinds in ((loss, "embedding + embedding + linear"), (lookups_only, None)):
         choice = choose_strategy(fn, params, ids, targets)
         assert choice.strategy == "ghost"
         if kinds is not None:
@@ -404,7 +404,7 @@ def test_a_flax_embed_with_attend_takes_the_ghost_path():
 
     choice = choose_strategy(loss, params, ids)
     assert choice.strategy == "ghost"
-    assert choice.layers["['params']['Embed_0']['embedding']"] == "tied: embedding + dense"
+    assert choice.layers["['params']['Embed_0']['embedding']"] == "tied: embedding + linear"
     check_against_materialized(loss, (params, ids))
 
 
@@ -439,7 +439,7 @@ def test_float16_compute_with_float32_weights_does_not_overflow():
 
     grads = pergrad.per_example_grads(loss)(params, x)
     norms = per_example_norms_of(loss, params, x)
-    assert choose_strategy(loss, params, x).layers == {"['w']": "dense"}
+    assert choose_strategy(loss, params, x).layers == {"['w']": "linear"}
     assert np.isfinite(np.asarray(norms)).all()
     assert_close(norms, pergrad.norms.per_example_norms(grads), rtol=1e-2)  # float16 rounding
 
@@ -455,7 +455,7 @@ def test_integer_layer_inputs(shape):
         h = jax.lax.dot_general(x, p["w"], contract, preferred_element_type=jnp.float32)
         return jnp.sum(jnp.tanh(h))
 
-    assert choose_strategy(loss, params, x).layers == {"['w']": "dense"}
+    assert choose_strategy(loss, params, x).layers == {"['w']": "linear"}
     check_against_materialized(loss, (params, x))
 
 
@@ -482,7 +482,7 @@ def test_a_weight_cast_through_an_integer_has_no_gradient():
         return jnp.sum((jnp.tanh(x @ quantised) @ p["w2"] - y) ** 2)
 
     choice = choose_strategy(loss, params, x, y)
-    assert "['w1']" not in choice.layers and choice.layers["['w2']"] == "dense"
+    assert "['w1']" not in choice.layers and choice.layers["['w2']"] == "linear"
     norms = check_against_materialized(loss, (params, x, y), strategy="auto")
     assert float(np.abs(np.asarray(norms)).max()) > 0
 

@@ -126,7 +126,7 @@ def test_jax_dense_contractions_are_projected_from_their_records():
     params = {
         "b1": normal(6),
         "w1": normal(5, 6),  # x @ w1: the factored route
-        "w2": normal(3, 6),  # contracted on its axis 1: formed, then projected
+        "w2": normal(3, 6),  # x @ w2.T, stored (out, in): from its records, as nn.Linear's
     }
     x = normal(BATCH, LENGTH, 5)
     y = normal(BATCH, LENGTH, 3)
@@ -140,8 +140,9 @@ def test_jax_dense_contractions_are_projected_from_their_records():
     )
     grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, x, y)
     expected = dense_reference(
-        [np.asarray(grads["w1"]), np.asarray(grads["w2"])],
-        [(5, 6), (3, 6)],
+        # both in the (in, out) frame, as PyTorch's nn.Linear
+        [np.asarray(grads["w1"]), np.asarray(grads["w2"]).transpose(0, 2, 1)],
+        [(5, 6), (6, 3)],
         [np.asarray(grads["b1"])],
         indices=[0, 1],  # the order in which the engine meets the contractions
     )

@@ -324,7 +324,7 @@ def _rnn(s: Sizes, head: bool) -> Problem:
     return Problem(loss, (params, x), (None, 1))
 
 
-DENSE = {"['w']": "dense", "['v']": "dense"}
+DENSE = {"['w']": "linear", "['v']": "linear"}
 LAYOUTS: dict[str, Layout] = {
     "dense-vector": Layout(dense_vector, DENSE),
     "dense-batch_first": Layout(
@@ -341,10 +341,10 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "dense-param_first_einsum": Layout(dense_param_first_einsum, DENSE),
     "dense-weight_reshaped_transposed": Layout(
-        dense_weight_reshaped, {"['w_flat']": "dense", "['v']": "dense"}
+        dense_weight_reshaped, {"['w_flat']": "linear", "['v']": "linear"}
     ),
     "dense-shared_arg_of_batch_size": Layout(shared_matrix_of_batch_size, DENSE),
-    "einsum-multihead": Layout(einsum_multihead, {"['w_in']": "dense", "['w_out']": "dense"}),
+    "einsum-multihead": Layout(einsum_multihead, {"['w_in']": "linear", "['w_out']": "linear"}),
     "einsum-heads_as_batch_dim": Layout(einsum_heads_as_batch, DENSE),
     "conv-nchw": Layout(functools.partial(_conv, stored="CHW"), {"['kernel']": "conv"}),
     "conv-permuted_to_nchw": Layout(functools.partial(_conv, stored="HWC"), {"['kernel']": "conv"}),
@@ -352,35 +352,35 @@ LAYOUTS: dict[str, Layout] = {
         functools.partial(_conv, stored="HWIO"), {"['kernel']": "conv"}
     ),
     "conv-nhwc_dimension_numbers": Layout(
-        conv_nhwc_native, {"['kernel']": "conv", "['head']": "dense"}
+        conv_nhwc_native, {"['kernel']": "conv", "['head']": "linear"}
     ),
-    "conv1d-time_first": Layout(conv1d_time_first, {"['kernel']": "conv", "['head']": "dense"}),
+    "conv1d-time_first": Layout(conv1d_time_first, {"['kernel']": "conv", "['head']": "linear"}),
     "embedding-ids_of_length_t": Layout(
-        embedding_tokens, {"['table']": "embedding", "['head']": "dense"}
+        embedding_tokens, {"['table']": "embedding", "['head']": "linear"}
     ),
     "embedding-ids_of_shape_1": Layout(
         functools.partial(embedding_tokens, length=1),
-        {"['table']": "embedding", "['head']": "dense"},
+        {"['table']": "embedding", "['head']": "linear"},
     ),
     "embedding-shared_position_ids": Layout(
         lambda s: _positions(s, (s.time,)),
-        {"['tok']": "embedding", "['pos']": "embedding", "['head']": "dense"},
+        {"['tok']": "embedding", "['pos']": "embedding", "['head']": "linear"},
     ),
     "embedding-padding_ids_past_the_table": Layout(
-        embedding_padded, {"['table']": "embedding", "['head']": "dense"}
+        embedding_padded, {"['table']": "embedding", "['head']": "linear"}
     ),
     "embedding-shared_position_id_of_shape_1": Layout(
         lambda s: _positions(s, (1,)),
-        {"['tok']": "embedding", "['pos']": "embedding", "['head']": "dense"},
+        {"['tok']": "embedding", "['pos']": "embedding", "['head']": "linear"},
     ),
     "attention-batch_first": Layout(
-        functools.partial(attention, time_first=False), {f"['{n}']": "dense" for n in "qkvo"}
+        functools.partial(attention, time_first=False), {f"['{n}']": "linear" for n in "qkvo"}
     ),
     "attention-data_time_first": Layout(
-        functools.partial(attention, time_first=True), {f"['{n}']": "dense" for n in "qkvo"}
+        functools.partial(attention, time_first=True), {f"['{n}']": "linear" for n in "qkvo"}
     ),
     "rnn-scan_time_first": Layout(functools.partial(_rnn, head=False), {}),
-    "rnn-scan_with_head": Layout(functools.partial(_rnn, head=True), {"['head']": "dense"}),
+    "rnn-scan_with_head": Layout(functools.partial(_rnn, head=True), {"['head']": "linear"}),
 }
 
 # T == B first: hypothesis tries the simplest draw first, so every layout meets the coincidence

@@ -1,9 +1,9 @@
 """The JAX contraction rules: per-example squared norms and weighted sums of a leaf, from the
 layer input and output cotangent that the capture engine recorded at its contraction.
 
-Registered by kind in ``jax_rules.py``:
+Registered by layer family in ``jax_rules.py`` (the PyTorch rules' names):
 
-- ``"dense"`` (a ``dot_general`` without batch dimensions): for a layer on one vector,
+- ``"linear"`` (a ``dot_general`` without batch dimensions): for a layer on one vector,
   ``|a|^2 |dz|^2`` (Goodfellow 2015); on a sequence, the formed per-example ``A^T D``, or under
   ``jax_enable_x64`` the Gram form ``<A A^T, D D^T>`` (Li et al. 2021) in float64 when it costs
   less (in float32 it rounds badly where per-position gradients cancel);
@@ -12,7 +12,7 @@ Registered by kind in ``jax_rules.py``:
 - ``"conv"``, and a ``dot_general`` with batch dimensions: the contraction's own transpose applied
   to one example at a time (a kernel-sized gradient per example, not a model-sized one).
 
-The weighted sum ``sum_i w_i g_i`` of every kind is the same transpose applied once to the whole
+The weighted sum ``sum_i w_i g_i`` of every family is the same transpose applied once to the whole
 batch with cotangents ``w_i dz_i``: no second backward pass.
 """
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from pergrad._src.capture.cost import gram_is_cheaper
 from pergrad._src.capture.jax_engine import Site, apply_chain, contract, row_axis
 from pergrad._src.capture.jax_rules import register, rule_for
+from pergrad._src.capture.quantities import Lookups, Tokens
 
 _EXACT = jax.lax.Precision.HIGHEST  # no TF32 / bfloat16 passes for the norms on a GPU or TPU
 
@@ -81,7 +82,7 @@ def per_example_squared_norms(site: Site, param: Any, inputs: Any, cotangents: A
 # reference's (g**2).sum() of the parameter-dtype per-example gradients.
 
 
-@register("dense", per_example, weighted_sum)
+@register("linear", per_example, weighted_sum, tokens=lambda *r: linear_records(*r))
 def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     """A dense contraction: ``|A_i^T D_i|^2`` from the factors; with batch dimensions (an
     attention-style einsum over the parameter), one example at a time."""
@@ -94,7 +95,7 @@ def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) ->
 register("conv", per_example, weighted_sum)(per_example_squared_norms)
 
 
-@register("embedding", per_example, weighted_sum)
+@register("embedding", per_example, weighted_sum, lookups=lambda *r: embedding_records(*r))
 def embedding_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     """A row lookup: the cotangents of one example's positions reading one row, summed, squared."""
     return _embedding_squared_norms(site, inputs, cotangents).astype(param.dtype)
@@ -103,7 +104,7 @@ def embedding_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any
 def norm_route(site: Site) -> str:
     """How the ghost strategy computes the per-example norms of ``site``'s parameter, from the
     traced shapes (for ``choose_strategy``'s ``norm_routes``)."""
-    if site.kind == "embedding":
+    if site.family == "embedding":
         return "each example's cotangents summed per row it looks up (nothing formed)"
     operand = site.eqn.invars[1 - site.param_operand].aval
     output = site.eqn.outvars[0].aval
@@ -133,7 +134,7 @@ def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] |
     cotangent as ``(B, T, F)`` (``T``: the input's free positions, ``K``: contracted, ``F``: the
     parameter's free dimensions), whose per-example product ``A^T D`` is the gradient up to a
     permutation. None for any other contraction."""
-    if site.kind != "dense":
+    if site.family != "linear":
         return None
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = site.eqn.params["dimension_numbers"]
     if lhs_batch or rhs_batch:
@@ -155,6 +156,32 @@ def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] |
         d = cotangents.transpose(order)
     d = d.reshape(cotangents.shape[0], positions, -1)
     return a, d
+
+
+def linear_records(site: Site, param: Any, inputs: Any, cotangents: Any) -> Tokens | None:
+    """A 2-D weight entering a ``dot_general`` as it is or transposed, contracted on one axis:
+    its records as :class:`Tokens`, ``"in_out"`` for ``x @ W``, ``"out_in"`` for ``x @ W.T``.
+    None for any other use (a reshape, a slice: the caller forms its per-example gradient)."""
+    transposed = len(site.chain) == 1 and site.chain[0].primitive.name == "transpose"
+    if (site.chain and not transposed) or param.ndim != 2:
+        return None
+    (lhs_contract, rhs_contract), _ = site.eqn.params["dimension_numbers"]
+    contracted = tuple(rhs_contract if site.param_operand == 1 else lhs_contract)
+    layouts = ("in_out", "out_in")[:: -1 if transposed else 1]
+    layout = {(0,): layouts[0], (1,): layouts[1]}.get(contracted)
+    factors = dense_factors(site, inputs, cotangents)
+    if layout is None or factors is None:
+        return None
+    return Tokens(*factors, site.path, layout, tuple(param.shape))
+
+
+def embedding_records(site: Site, param: Any, inputs: Any, cotangents: Any) -> Lookups | None:
+    """A 2-D table read by whole rows: its records as :class:`Lookups` (a position that reads
+    no row has a zero cotangent, whatever row it names). None for any other table."""
+    if param.ndim != 2 or site.chain:
+        return None
+    rows, _, d = _lookups(site, inputs, cotangents)
+    return Lookups(rows, d, site.path, tuple(param.shape))
 
 
 def _dense_squared_norms(a: Any, d: Any) -> Any:
@@ -256,13 +283,13 @@ def tied_squared_norms(
     whole norm from the dense rule. Every term but the last bracket is a sum of squares; that
     bracket, ``D``'s mass on the rows not read, is clamped at 0 against rounding, so the norm is
     never below that of the rows read."""
-    lookups = [k for k, site in enumerate(sites) if site.kind == "embedding"]
+    lookups = [k for k, site in enumerate(sites) if site.family == "embedding"]
     parts = [_lookups(sites[k], inputs[k], cotangents[k]) for k in lookups]
     rows = jnp.concatenate([p[0] for p in parts], axis=1)
     valid = jnp.concatenate([p[1] for p in parts], axis=1)
     d = jnp.concatenate([p[2] for p in parts], axis=1)
     batch = rows.shape[0]
-    dense = [k for k, site in enumerate(sites) if site.kind == "dense"]
+    dense = [k for k, site in enumerate(sites) if site.family == "linear"]
     if not dense:
         return _row_sums_squared(rows, d, batch).astype(param.dtype)
     (k,) = dense

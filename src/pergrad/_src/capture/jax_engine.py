@@ -36,7 +36,8 @@ from pergrad._src.errors import Unsupported
 _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "squeeze", "expand_dims"})
 # Calls whose body is looked into (a jax.jit-ed function called inside the loss).
 _CALL_OPS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_CONTRACTIONS = {"dot_general": "dense", "conv_general_dilated": "conv", "gather": "embedding"}
+# The layer family of each contraction: the same names as the PyTorch rules' (capture/rules.py).
+_CONTRACTIONS = {"dot_general": "linear", "conv_general_dilated": "conv", "gather": "embedding"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Site:
     chain: tuple[Any, ...]
 
     @property
-    def kind(self) -> str:
+    def family(self) -> str:
+        """``"linear"`` (``dot_general``), ``"conv"`` or ``"embedding"`` (a row ``gather``)."""
         return _CONTRACTIONS[self.eqn.primitive.name]
 
 
@@ -111,9 +113,9 @@ def plan(spec: Spec, call: Call) -> JaxGhostPlan:
         elif is_tied_table(found, diff[k]):
             shared[k] = tuple(found)
         else:
-            kinds = ", ".join(sorted(site.kind for site in found))
+            families = ", ".join(sorted(site.family for site in found))
             other[k] = (
-                f"used by {len(found)} contractions ({kinds}): a shared weight other than a "
+                f"used by {len(found)} contractions ({families}): a shared weight other than a "
                 f"table read by embedding lookups and at most one dense layer"
             )
     return JaxGhostPlan(sites, other, closed, shared)
@@ -123,8 +125,8 @@ def is_tied_table(sites: Sequence[Site], leaf: Any) -> bool:
     """A table tied across uses that the ghost strategy takes: read by embedding lookups (one
     or several) and by at most one dense contraction that maps each of its rows to its own
     output column (a tied output projection, ``h @ table.T``)."""
-    dense = [site for site in sites if site.kind == "dense"]
-    if any(site.kind not in ("embedding", "dense") for site in sites) or len(dense) > 1:
+    dense = [site for site in sites if site.family == "linear"]
+    if any(site.family not in ("embedding", "linear") for site in sites) or len(dense) > 1:
         return False
     return not dense or row_axis(dense[0], jnp.shape(leaf), jnp.result_type(leaf)) is not None
 
@@ -293,10 +295,10 @@ def contract(site: Site, layer_input: Any, operand: Any) -> Any:
 
 
 def describe(ghost_plan: JaxGhostPlan, names: Sequence[str]) -> tuple[dict[str, str], dict]:
-    """``({leaf name: "dense" | "conv"}, {leaf name: why not})`` for :class:`StrategyChoice`."""
-    layers = {names[k]: site.kind for k, site in sorted(ghost_plan.sites.items())}
+    """``({leaf name: "linear" | "conv" | "embedding"}, {leaf name: why not})`` for :class:`StrategyChoice`."""
+    layers = {names[k]: site.family for k, site in sorted(ghost_plan.sites.items())}
     for k, group in sorted(ghost_plan.shared.items()):
-        layers[names[k]] = "tied: " + " + ".join(site.kind for site in group)
+        layers[names[k]] = "tied: " + " + ".join(site.family for site in group)
     other = {names[k]: why for k, why in sorted(ghost_plan.other.items())}
     return layers, other
 

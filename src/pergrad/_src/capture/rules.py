@@ -10,9 +10,13 @@ layer family means one file in ``torch_rules/`` whose functions are decorated wi
 norms are computed, in words, for ``choose_strategy``'s ``norm_routes``).
 
 Reductions are plug-ins: beyond the three every family has, a new per-example quantity (a
-per-layer Kronecker projection of the gradient, for attribution) is taught to a family with
-:func:`register_reduction`, from its own module, without touching the engine or the rules;
-a strategy asks ``rule.reduction(name)``.
+per-layer Kronecker projection of the gradient, K-FAC's factors) is written once, for both
+frameworks, over the framework-free records of ``quantities.py``: a family that can show its
+calls as :class:`~pergrad._src.capture.quantities.Tokens` (``tokens=``: linear, Hugging Face's
+``Conv1D``, ungrouped convolutions) or :class:`~pergrad._src.capture.quantities.Lookups`
+(``lookups=``: embeddings) computes every registered quantity from them. A reduction specific
+to one family is taught to it with :func:`register_reduction`. Either way, nothing in the
+engine or the rules changes; a strategy asks ``rule.reduction(name)``.
 
 Precision: the built-in reductions of a registered rule always compute in at least float32 with
 autocast off (:func:`in_reduction_precision`). Under ``torch.autocast`` the records are bfloat16
@@ -39,6 +43,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pergrad._src.capture.quantities import (
+    BUILT_IN,
+    Formed,
+    Lookups,
+    Tokens,
+    of_records,
+    quantity_named,
+)
+
 # A rule takes the layer and its calls in one forward pass, and returns each of the layer's own
 # parameters' per-example squared gradient norms: {"weight": (B,), "bias": (B,)}.
 SquaredNormsFn = Callable[[Any, list[Any]], dict[str, Any]]
@@ -58,6 +71,9 @@ MatchFn = Callable[[Any], bool]
 # How the family's squared norms are computed for this layer's shape, in words (for
 # choose_strategy's norm_routes): (layer) -> str.
 RouteFn = Callable[[Any], str]
+# The calls as framework-free records (quantities.py), or None where this instance has none.
+TokensFn = Callable[[Any, list[Any]], "Tokens | None"]
+LookupsFn = Callable[[Any, list[Any]], "Lookups | None"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +97,6 @@ class Recorded:
     output: Any
     batch_axis: int = 0
     unread: tuple[Any, ...] = ()
-
-
-BUILT_IN = ("squared_norms", "per_example", "weighted_sum")
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,10 @@ class LayerRule:
         (``("out_proj.weight", "out_proj.bias")``): the submodule is never called as a module.
       route: ``route(layer) -> str``, how ``squared_norms`` computes this layer's norms, in
         words (``StrategyChoice.norm_routes``).
+      tokens: ``tokens(layer, calls) -> Tokens | None``: the calls as the inputs and output
+        gradients of a linear map of the weight (``quantities.py``), for the quantities
+        registered with ``register_quantity``; None: the family has no such form.
+      lookups: ``lookups(layer, calls) -> Lookups | None``: the same for a table read by rows.
       plugins: reductions added with :func:`register_reduction`, by name.
     """
 
@@ -124,13 +141,38 @@ class LayerRule:
     batch_axes: tuple[int, ...] = (0,)
     nested: tuple[str, ...] = ()
     route: RouteFn = field(default=lambda layer: "per-example gradients formed", compare=False)
+    tokens: TokensFn | None = None
+    lookups: LookupsFn | None = None
     plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
 
     def reduction(self, name: str) -> ReductionFn | None:
-        """The family's function for reduction ``name`` (a built-in or a plug-in), or None."""
+        """The family's function for reduction ``name``: a built-in, a plug-in of this family,
+        or a registered quantity where the family has records for it; else None."""
         if name in BUILT_IN:
             return getattr(self, name)
-        return self.plugins.get(name)
+        if name in self.plugins:
+            return self.plugins[name]
+        quantity = quantity_named(name)
+        if quantity is None or not (
+            self.tokens is not None or (self.lookups is not None and quantity.of_lookups)
+        ):
+            return None
+        return functools.partial(_of_quantity, self, quantity)
+
+
+def _of_quantity(rule: LayerRule, quantity: Any, layer: Any, calls: list[Any], *args: Any) -> Any:
+    """A registered quantity of the layer's weight from its records; its bias's per-example
+    gradients (``d`` summed over positions) :class:`Formed`. Empty (every parameter's gradient
+    formed by the caller) where this instance has no record the quantity takes."""
+    tokens = rule.tokens(layer, calls) if rule.tokens is not None else None
+    lookups = rule.lookups(layer, calls) if rule.lookups is not None and tokens is None else None
+    value = of_records(quantity, tokens, lookups, args)
+    if value is None:
+        return {}
+    result = {"weight": value}
+    if tokens is not None and getattr(layer, "bias", None) is not None:
+        result["bias"] = Formed(tokens.d.sum(1))
+    return result
 
 
 # Keyed by the layer's class, or by "module.QualName" for classes of libraries pergrad does not
@@ -155,6 +197,8 @@ def register(
     nested: tuple[str, ...] = (),
     matches: MatchFn | None = None,
     route: RouteFn | None = None,
+    tokens: TokensFn | None = None,
+    lookups: LookupsFn | None = None,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
@@ -165,8 +209,8 @@ def register(
     computes what the rule assumes. A rule written without ``weighted_sum`` gets one that
     contracts its ``per_example`` gradients with the weights (fine where those are as small as
     an activation). All three run through :func:`in_reduction_precision`. ``record``,
-    ``batch_axes``, ``nested`` and ``route`` (default: "per-example gradients formed"): see
-    :class:`LayerRule`.
+    ``batch_axes``, ``nested``, ``route`` (default: "per-example gradients formed"),
+    ``tokens`` and ``lookups``: see :class:`LayerRule`.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
@@ -181,6 +225,8 @@ def register(
             batch_axes,
             nested,
             **({} if route is None else {"route": route}),
+            tokens=tokens,
+            lookups=lookups,
         )
         for layer_type in layer_types:
             _RULES[layer_type] = rule
@@ -318,8 +364,10 @@ _ADDITIVE: set[str] = set()
 
 
 def is_additive(reduction: str) -> bool:
-    """Whether plug-in ``reduction`` was registered with ``additive=True``."""
-    return reduction in _ADDITIVE
+    """Whether plug-in ``reduction`` was registered with ``additive=True`` (a family's own
+    plug-in, or a registered quantity)."""
+    quantity = quantity_named(reduction)
+    return reduction in _ADDITIVE or (quantity is not None and quantity.additive)
 
 
 def register_reduction(

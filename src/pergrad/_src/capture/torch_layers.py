@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad._src.capture.cost import dense_route, gram_is_cheaper
+from pergrad._src.capture.quantities import Lookups, Tokens
 from pergrad._src.capture.rules import register
 
 
@@ -184,6 +185,12 @@ def linear_weighted_sum(
 TOKENWISE = (0, 1)
 
 
+def linear_records(layer: nn.Linear, calls: list[LayerCall]) -> Tokens:
+    """``nn.Linear``'s calls as :class:`Tokens` of its ``(out, in)`` weight."""
+    a, d = tokens(calls, layer.in_features, layer.out_features)
+    return Tokens(a, d, id(layer.weight), "out_in", tuple(layer.weight.shape))
+
+
 @register(
     nn.Linear,
     name="linear",
@@ -191,6 +198,7 @@ TOKENWISE = (0, 1)
     weighted_sum=linear_weighted_sum,
     batch_axes=TOKENWISE,
     route=lambda layer: dense_route(layer.in_features, layer.out_features),
+    tokens=linear_records,
 )
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
@@ -221,6 +229,13 @@ def hf_conv1d_weighted_sum(
     return result
 
 
+def hf_conv1d_records(layer: nn.Module, calls: list[LayerCall]) -> Tokens:
+    """Hugging Face ``Conv1D``'s calls as :class:`Tokens` of its ``(in, out)`` weight."""
+    width_in, width_out = layer.weight.shape
+    a, d = tokens(calls, width_in, width_out)
+    return Tokens(a, d, id(layer.weight), "in_out", tuple(layer.weight.shape))
+
+
 @register(
     "transformers.pytorch_utils.Conv1D",
     name="hf_conv1d",
@@ -228,6 +243,7 @@ def hf_conv1d_weighted_sum(
     weighted_sum=hf_conv1d_weighted_sum,
     batch_axes=TOKENWISE,
     route=lambda layer: dense_route(*layer.weight.shape),
+    tokens=hf_conv1d_records,
 )
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
@@ -375,6 +391,18 @@ def _conv_route(layer: Any) -> str:
     )
 
 
+def conv_records(layer: Any, calls: list[LayerCall]) -> Tokens | None:
+    """An ungrouped ``Conv1d`` / ``Conv2d``'s calls as :class:`Tokens`: its patches and output
+    gradients, the weight ``(out, in, *kernel)`` seen as ``(out, in * prod(kernel))``. None for
+    other convolutions (grouped, 3-D, transposed)."""
+    if type(layer) not in (nn.Conv1d, nn.Conv2d) or layer.groups != 1:
+        return None
+    patches, output_grads = conv_tokens(layer, calls)
+    return Tokens(
+        patches[:, 0], output_grads[:, 0], id(layer.weight), "out_in", tuple(layer.weight.shape)
+    )
+
+
 @register(
     nn.Conv1d,
     nn.Conv2d,
@@ -385,6 +413,7 @@ def _conv_route(layer: Any) -> str:
     problem=_conv_problem,
     weighted_sum=conv_weighted_sum,
     route=lambda layer: _conv_route(layer),
+    tokens=conv_records,
 )
 def conv_squared_norms(layer: Any, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     if _uses_gram(layer, calls):
@@ -440,6 +469,12 @@ def embedding_weighted_sum(
     return {"weight": grad}
 
 
+def embedding_records(layer: nn.Embedding, calls: list[LayerCall]) -> Lookups:
+    """``nn.Embedding``'s calls as :class:`Lookups` (the padding row's gradients zero)."""
+    rows, output_grads, _ = lookups(layer, calls)
+    return Lookups(rows, output_grads, id(layer.weight), tuple(layer.weight.shape))
+
+
 @register(
     nn.Embedding,
     name="embedding",
@@ -450,6 +485,7 @@ def embedding_weighted_sum(
     route=lambda layer: (
         "each example's output gradients summed per row it looks up (nothing formed)"
     ),
+    lookups=embedding_records,
 )
 def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     """Per example, the output gradients of the positions that look up the same row add up;

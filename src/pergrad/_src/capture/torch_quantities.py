@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pergrad._src.capture import torch_generic, torch_position_bias, torch_tied
+from pergrad._src.capture.quantities import Formed
 from pergrad._src.capture.rules import (
     in_reduction_precision,
     is_additive,
@@ -391,8 +392,11 @@ def _layer_plug_in(
         return []
     with torch.no_grad():
         values = plug_in(module, calls, *args) if plug_in is not None else {}
-        missing = uses_formed or any(p not in values for p in own)
-        grads = rule.per_example(module, calls) if missing else {}
+        grads = {k: v.grads for k, v in values.items() if isinstance(v, Formed)}
+        values = {k: v for k, v in values.items() if not isinstance(v, Formed)}
+        missing = uses_formed or any(p not in values and p not in grads for p in own)
+        if missing:
+            grads = {**rule.per_example(module, calls), **grads}
     found = []
     for param_name, name in own.items():
         if name in owners.tied:

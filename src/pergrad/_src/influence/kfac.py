@@ -1,8 +1,8 @@
 """K-FAC and EK-FAC curvature: ``(F + damping I)^-1`` through per-layer eigendecompositions.
 
 ``F`` is block diagonal, one block per float leaf of the parameters, built from the capture
-engine's records (``capture/rules.py`` plug-ins for PyTorch layers, ``capture/jax_rules.py``
-for JAX contractions) over the Hessian batch, ``chunk_size`` examples per captured pass:
+engine's records (two quantities of ``capture/quantities.py``, written once for both
+frameworks) over the Hessian batch, ``chunk_size`` examples per captured pass:
 
 * a dense layer's or convolution's weight, ``G_i = sum_t g_t a_t^T`` per example (``a_t`` the
   input at position ``t``, ``g_t`` the gradient at the output): the Kronecker block
@@ -23,7 +23,6 @@ it: ``prepare`` factors the curvature, ``solve`` applies its inverse.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -32,6 +31,7 @@ import numpy as np
 
 from pergrad._src.api.reductions import layer_reductions_of
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.capture.quantities import register_quantity
 from pergrad._src.errors import PergradValueError, warn_from_caller
 from pergrad._src.influence.flat_loss import FlatLoss
 from pergrad._src.influence.flat_params import FlatParams
@@ -312,7 +312,6 @@ def factorize(
 ) -> Curvature:
     """The K-FAC / EK-FAC curvature of ``fn`` over ``chunks`` (the Hessian batch, ``count``
     examples, split into captured passes), at the parameters ``flat``."""
-    _register_plug_ins()
     params = flat.unravel(flat.vector)
     names = [flat.paths[i] or "the parameters" for i in flat.positions]
     sums = _Sums()
@@ -392,80 +391,9 @@ def _check_leaves(func_name: str, flat: FlatParams, results: list[Any], names: l
 # --------------------------------------------------------------------------------------------
 # The plug-ins.
 
-_REGISTERED: set[str] = set()
-
-
-def _register_plug_ins() -> None:
-    """Teach the capture engines the two passes, once per framework that is imported."""
-    for framework, register in (("torch", _register_torch), ("jax", _register_jax)):
-        if framework in sys.modules and framework not in _REGISTERED:
-            register()
-            _REGISTERED.add(framework)
-
-
-def _register_torch() -> None:
-    from torch import nn
-
-    from pergrad._src.capture import torch_layers
-    from pergrad._src.capture.rules import register_reduction
-
-    def linear_tokens(layer: Any, calls: list[Any]) -> tuple[Any, Any, str]:
-        if isinstance(layer, nn.Linear):
-            return (*torch_layers.tokens(calls, layer.in_features, layer.out_features), "out_in")
-        width_in, width_out = layer.weight.shape  # Hugging Face's Conv1D: weight (in, out)
-        return (*torch_layers.tokens(calls, width_in, width_out), "in_out")
-
-    def conv_tokens(layer: Any, calls: list[Any]) -> tuple[Any, Any, str] | None:
-        """Patches and output gradients ``(B, L, ...)`` of a Conv1d / Conv2d with one group."""
-        if not isinstance(layer, (nn.Conv1d, nn.Conv2d)) or layer.groups != 1:
-            return None
-        patches, output_grads = torch_layers.conv_tokens(layer, calls)
-        return patches[:, 0], output_grads[:, 0], "out_in"
-
-    def make(found: Callable[..., Any], per_example: Callable[..., Any], record: Callable) -> Any:
-        def reduction(layer: Any, calls: list[Any], *args: Any) -> dict[str, Any]:
-            tokens = found(layer, calls)
-            if tokens is None:  # a layer this family's Kronecker form does not cover
-                return per_example(layer, calls)
-            a, g, layout = tokens
-            result = {"weight": record(id(layer), layout, layer.weight.shape, a, g, *args)}
-            if layer.bias is not None:
-                result["bias"] = g.sum(1)
-            return result
-
-        return reduction
-
-    for name, record in ((FACTORS, factor_record), (EIGENVALUES, eigenvalue_record)):
-        register_reduction(name, "linear")(
-            make(linear_tokens, torch_layers.linear_per_example, record)
-        )
-        register_reduction(name, "hf_conv1d")(
-            make(linear_tokens, torch_layers.hf_conv1d_per_example, record)
-        )
-        register_reduction(name, "conv")(make(conv_tokens, torch_layers.conv_per_example, record))
-
-
-def _register_jax() -> None:
-    from pergrad._src.capture.jax_contractions import dense_factors
-    from pergrad._src.capture.jax_rules import register_reduction, rule_for_kind
-
-    def layout_of(site: Any, param: Any) -> str | None:
-        """A 2-D weight entering ``dot_general`` as it is, contracted on one axis."""
-        if site.chain or param.ndim != 2:
-            return None
-        (lhs_contract, rhs_contract), _ = site.eqn.params["dimension_numbers"]
-        contracted = tuple(rhs_contract if site.param_operand == 1 else lhs_contract)
-        return {(0,): "in_out", (1,): "out_in"}.get(contracted)
-
-    def make(record: Callable[..., Any]) -> Any:
-        def reduction(site: Any, param: Any, inputs: Any, cotangents: Any, *args: Any) -> Any:
-            layout = layout_of(site, param)
-            factors = dense_factors(site, inputs, cotangents)
-            if layout is None or factors is None:
-                return rule_for_kind("dense").per_example(site, param, inputs, cotangents)
-            return record(site.path, layout, param.shape, *factors, *args)
-
-        return reduction
-
-    register_reduction(FACTORS, "dense")(make(factor_record))
-    register_reduction(EIGENVALUES, "dense")(make(eigenvalue_record))
+# Both frameworks, every layer family with tokens (capture/quantities.py): linear layers,
+# Hugging Face's Conv1D and ungrouped convolutions in PyTorch, 2-D weights in JAX's x @ W.
+register_quantity(FACTORS, lambda t: factor_record(t.key, t.layout, t.shape, t.a, t.d))
+register_quantity(
+    EIGENVALUES, lambda t, bases: eigenvalue_record(t.key, t.layout, t.shape, t.a, t.d, bases)
+)

@@ -7,15 +7,17 @@ product of two small random matrices, ``P_in^T G P_out = (A P_in)^T (D P_out)``:
 ``k_in x k_out`` feature comes from projecting the layer's input and output gradient
 separately, at ``B T (p k_in + q k_out)`` cost, where materialising ``G`` would cost ``B p q``
 memory. An embedding table is such a layer with one-hot inputs: ``P_in^T G P_out = sum_t
-P_in[row_t]^T (d_t P_out)``. It is a plug-in reduction of the capture engines (``capture/rules.py``
-for PyTorch's ``nn.Linear``, Hugging Face's ``Conv1D`` and ``nn.Embedding``,
-``capture/jax_rules.py`` for JAX dense contractions): one batched pass gives every layer's
-features. A PyTorch table tied to other such layers (GPT-2's token embedding and output
-layer) is projected in its own frame, ``P_rows^T G P_cols`` for the ``(rows, cols)`` weight,
-by every layer using it (the output layer's share is ``(D P_rows)^T (A P_cols)``), and the
-shares add up to the projection of the tied gradient, which is never formed. Every other
-parameter's per-example gradient (biases, norms, convolutions, JAX lookups) is projected
-densely, with :func:`pergrad.influence.project`'s seeded matrix, block by block.
+P_in[r_t]^T (d_t P_out)``. It is one quantity of the capture kernel (``capture/quantities.py``),
+written once for both frameworks over the records every linear-like family gives:
+``nn.Linear``, Hugging Face's ``Conv1D``, ungrouped ``Conv1d`` / ``Conv2d`` (their patches) and
+``nn.Embedding`` in PyTorch; a 2-D weight in ``x @ W`` or ``x @ W.T`` and a table read by rows
+in JAX. One batched pass gives every layer's features. A table tied to other such layers
+(GPT-2's token embedding and output layer, PyTorch) is projected in its own frame,
+``P_rows^T G P_cols`` for the ``(rows, cols)`` weight, by every layer using it (the output
+layer's share is ``(D P_rows)^T (A P_cols)``), and the shares add up to the projection of the
+tied gradient, which is never formed. Every other parameter's per-example gradient (biases,
+norms, grouped or 3-D convolutions, a JAX weight used through a reshape) is projected densely,
+with :func:`pergrad.influence.project`'s seeded matrix, block by block.
 
 ``P_in`` and ``P_out`` of layer ``i`` are Gaussian with entries ``N(0, 1/k)``, drawn from
 ``numpy.random.default_rng([seed, i, side])``, where ``i`` numbers the projected weights: in
@@ -36,6 +38,7 @@ import numpy as np
 
 from pergrad._src.api.reductions import layer_reductions_of
 from pergrad._src.backends import backend_of
+from pergrad._src.capture.quantities import Lookups, Tokens, register_quantity
 from pergrad._src.errors import PergradValueError
 from pergrad._src.influence.ihvp import as_backend_array
 from pergrad._src.influence.projection import MAX_MATRIX_NUMBERS, SeededProjection
@@ -74,7 +77,8 @@ class LayerMatrices:
 def module_positions(fn: Any) -> tuple[dict[Any, int] | None, frozenset[Any]]:
     """For a :func:`pergrad.module_loss`, ``(id(weight) -> i, the tied weights' ids)``: the
     ``i``-th distinct weight of the layers of ``model.named_modules()`` whose family has the
-    projection (``nn.Linear``, ``Conv1D``, ``nn.Embedding``), and those used by more than one
+    projection (``nn.Linear``, ``Conv1D``, convolutions, ``nn.Embedding``), and those used by
+    more than one
     of them. A weight's matrices then depend on the model alone, not on which layers a call
     reaches or in what order the engine meets them. ``(None, {})`` for any other ``fn``."""
     import sys
@@ -121,12 +125,14 @@ def project_factored(
 
     Args:
       fn: the loss (or output) of ONE example, ``fn(params, *example) -> scalar``; in PyTorch a
-        :func:`pergrad.module_loss` (then its ``nn.Linear``, Hugging Face ``Conv1D`` and
-        ``nn.Embedding`` layers are projected from their records, a table tied to another
+        :func:`pergrad.module_loss` (then its ``nn.Linear``, Hugging Face ``Conv1D``,
+        ungrouped ``Conv1d`` / ``Conv2d`` and ``nn.Embedding`` layers are projected from their
+        records, a table tied to another
         layer (GPT-2's token embedding and output layer) in its own frame, from both uses;
         any other torch function gets every gradient projected densely, with a
         :class:`pergrad.FallbackWarning`); in JAX any
-        traceable loss (its ``x @ W`` contractions projected from their records).
+        traceable loss (its 2-D weights in ``x @ W`` / ``x @ W.T`` and its tables read by rows
+        projected from their records).
       params: the parameters (``loss.params()`` in PyTorch).
       batch: tuple of ``fn``'s batched arguments.
       k_in: each dense layer's feature is ``k_in x k_out``: its input side.
@@ -180,7 +186,6 @@ class FactoredProjection:
         self.others: SeededProjection | None = None
 
     def __call__(self, fn: Callable[..., Any], params: Any, batch: Sequence[Any]) -> Any:
-        _register_plug_ins()
         layers = LayerMatrices(self.seed, self.k_in, self.k_out, *module_positions(fn))
         results = layer_reductions_of(
             fn, params, *batch, reduction=PLUG_IN, reduction_args=(layers,)
@@ -205,90 +210,26 @@ class FactoredProjection:
         return blocks[0] if len(blocks) == 1 else bk.concatenate(blocks, axis=1)
 
 
-_REGISTERED: set[str] = set()
+def project_tokens(tokens: Tokens, matrices: LayerMatrices) -> Any:
+    """``(A P_in)^T (D P_out)``, ``(B, k_in, k_out)``, for a weight of either framework; a tied
+    weight stored ``(out, in)`` in its own frame, ``(D P_rows)^T (A P_cols)``."""
+    a, d = tokens.a, tokens.d
+    if tokens.layout == "out_in" and tokens.key in matrices.tied:
+        a, d = d, a
+    p_in, p_out = matrices(tokens.key, a.shape[-1], d.shape[-1])
+    bk = backend_of(a, "project_factored", "params")
+    return (a @ as_backend_array(bk, p_in, a)).mT @ (d @ as_backend_array(bk, p_out, d))
 
 
-def _register_plug_ins() -> None:
-    """Teach the capture engines the projection, once per framework that is imported."""
-    import sys
-
-    if "torch" in sys.modules and "torch" not in _REGISTERED:
-        _register_torch()
-        _REGISTERED.add("torch")
-    if "jax" in sys.modules and "jax" not in _REGISTERED:
-        _register_jax()
-        _REGISTERED.add("jax")
+def project_lookups(lookups: Lookups, matrices: LayerMatrices) -> Any:
+    """A table ``(V, D)`` read at rows ``r_t``: ``sum_t P_in[r_t]^T (d_t P_out)`` (its own
+    frame)."""
+    rows, d = lookups.rows, lookups.d
+    p_in, p_out = matrices(lookups.key, *lookups.shape)
+    bk = backend_of(d, "project_factored", "params")
+    left = as_backend_array(bk, p_in, d)[rows]  # (B, N, k_in); rows reading none have d = 0
+    return left.mT @ (d @ as_backend_array(bk, p_out, d))
 
 
-def _register_torch() -> None:
-    from pergrad._src.capture import torch_layers
-    from pergrad._src.capture.rules import register_reduction
-
-    def project(
-        layer: Any,
-        calls: list[Any],
-        matrices: LayerMatrices,
-        width_in: int,
-        width_out: int,
-        out_by_in: bool,
-    ) -> Any:
-        """``(A P_in)^T (D P_out)``, ``(B, k_in, k_out)``; for a tied weight stored
-        ``(out, in)`` (``out_by_in``: ``nn.Linear``'s), in its own frame:
-        ``(D P_rows)^T (A P_cols)``."""
-        a, d = torch_layers.tokens(calls, width_in, width_out)
-        key = id(layer.weight)
-        if out_by_in and key in matrices.tied:
-            a, d = d, a
-            width_in, width_out = width_out, width_in
-        p_in, p_out = matrices(key, width_in, width_out)
-        bk = backend_of(a, "project_factored", "params")
-        left = a @ as_backend_array(bk, p_in, a)
-        right = d @ as_backend_array(bk, p_out, d)
-        return left.transpose(1, 2) @ right
-
-    @register_reduction(PLUG_IN, "linear", additive=True)
-    def linear(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        width_in, width_out = layer.in_features, layer.out_features
-        return {"weight": project(layer, calls, matrices, width_in, width_out, out_by_in=True)}
-
-    @register_reduction(PLUG_IN, "hf_conv1d", additive=True)
-    def hf_conv1d(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        width_in, width_out = layer.weight.shape  # Conv1D's weight is (in, out): its own frame
-        return {"weight": project(layer, calls, matrices, width_in, width_out, out_by_in=False)}
-
-    @register_reduction(PLUG_IN, "embedding", additive=True)
-    def embedding(layer: Any, calls: list[Any], matrices: LayerMatrices) -> dict[str, Any]:
-        """A table ``(V, D)`` read at rows ``r_t``: ``sum_t P_in[r_t]^T (d_t P_out)`` (its own
-        frame)."""
-        rows, output_grads, _ = torch_layers.lookups(layer, calls)  # padding rows: zero grads
-        p_in, p_out = matrices(id(layer.weight), layer.num_embeddings, layer.embedding_dim)
-        bk = backend_of(output_grads, "project_factored", "params")
-        left = as_backend_array(bk, p_in, output_grads)[rows]  # (B, N, k_in)
-        right = output_grads @ as_backend_array(bk, p_out, output_grads)
-        return {"weight": left.transpose(1, 2) @ right}
-
-
-def _register_jax() -> None:
-    import jax.numpy as jnp
-
-    from pergrad._src.capture.jax_contractions import dense_factors
-    from pergrad._src.capture.jax_rules import register_reduction, rule_for_kind
-
-    @register_reduction(PLUG_IN, "dense")
-    def dense(site: Any, param: Any, inputs: Any, cotangents: Any, matrices: LayerMatrices) -> Any:
-        """``P_in^T G P_out`` of a weight ``(K, F...)``; from the factors where the weight enters
-        untransposed as the right operand, else from the formed per-example gradient."""
-        shape = param.shape
-        width_in, width_out = shape[0], math.prod(shape[1:])
-        p_in, p_out = (
-            jnp.asarray(m, dtype=inputs.dtype) for m in matrices(site.path, width_in, width_out)
-        )
-        (_, rhs_contract), _ = site.eqn.params["dimension_numbers"]
-        factors = dense_factors(site, inputs, cotangents)
-        simple = site.param_operand == 1 and tuple(rhs_contract) == (0,) and not site.chain
-        if factors is not None and simple and len(shape) == 2:  # x @ W, W (K, F): G = A^T D
-            a, d = factors
-            return jnp.einsum("btk,btl->bkl", a @ p_in, d @ p_out)
-        grads = rule_for_kind("dense").per_example(site, param, inputs, cotangents)
-        flat = grads.reshape(grads.shape[0], width_in, width_out)
-        return jnp.einsum("ik,bio,ol->bkl", p_in, flat, p_out)
+# Both frameworks, every layer family with tokens or lookups (capture/quantities.py).
+register_quantity(PLUG_IN, project_tokens, project_lookups, additive=True)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from pergrad._src.capture import cost, jax_contractions  # importing it registers the rules
 from pergrad._src.capture.jax_engine import JaxGhostPlan, JaxRecords, describe, plan, records
 from pergrad._src.capture.jax_rules import rule_for
+from pergrad._src.capture.quantities import Formed
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import PergradValueError
 from pergrad._src.strategies.protocol import (
@@ -190,8 +191,10 @@ def layerwise(call: Call, ghost_plan: JaxGhostPlan, reduction: str, args: tuple)
         rule = rule_for(site)
         plug_in = rule.reduction(reduction)
         recorded = (site, value, found.inputs[k], found.cotangents[k])
-        if plug_in is None:
-            results.append(LeafReduction(rule.per_example(*recorded), False))
+        value = plug_in(*recorded, *args) if plug_in is not None else None
+        if value is None or isinstance(value, Formed):
+            grads = rule.per_example(*recorded) if value is None else value.grads
+            results.append(LeafReduction(grads, False))
         else:
-            results.append(LeafReduction(plug_in(*recorded, *args), True))
+            results.append(LeafReduction(value, True))
     return results

@@ -69,7 +69,8 @@ class StrategyChoice:
       layers: for a :func:`pergrad.module_loss` loss, module name -> ghost rule (``"linear"``,
         ``"conv"``, ``"embedding"``, ...) of each layer owning a differentiated parameter;
         ``"generic"`` for a layer without a rule, run alone (``torch_generic.py``). For a
-        JAX loss, parameter path -> ``"dense"`` or ``"conv"``, the contraction it enters.
+        JAX loss, parameter path -> ``"linear"``, ``"conv"`` or ``"embedding"``, the
+        family of the contraction it enters (the PyTorch families' names).
       unsupported: module name -> why the ghost strategy cannot handle it. For a JAX loss,
         parameter path -> why its per-example gradients are formed (the ghost strategy still
         runs; these parameters get ordinary per-example gradients in the same pass).
