@@ -50,17 +50,20 @@ MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.1
 # --- the step without the non-finite cleaning ---------------------------------------------
 
 
-def plain_clip_weights(bk: Any, group_norms: list[Any], bounds: list[float], mask: Any) -> Any:
+def plain_clip_weights(
+    bk: Any, group_norms: list[Any], bounds: list[float], mask: Any, policy: Any = None
+) -> Any:
     """``clip_weights`` without ``isfinite``/``where``: right for finite norms only."""
     from pergrad._src.dp.clipping import ClipWeights, clip_factors
 
+    factors = clip_factors if policy is None else policy.factors
     ones = group_norms[0] * 0 + 1
     real = ones if mask is None else ones * mask
-    weights = [clip_factors(n, b) * real for n, b in zip(group_norms, bounds)]
+    weights = [factors(n, b) * real for n, b in zip(group_norms, bounds)]
     return ClipWeights(weights, real, ones > 0)  # "finite": all True for finite norms
 
 
-def plain_clipped_sum(grads: Any, max_norm: float, mask: Any = None) -> Any:
+def plain_clipped_sum(grads: Any, max_norm: float, mask: Any = None, clipping: Any = None) -> Any:
     """``pergrad.dp.clipped_sum`` (one flat bound) as ``factors @ gradients``, no cleaning."""
     from pergrad._src.dp.clipping import clip_statistics
     from pergrad._src.norms import flat_leaves
@@ -68,12 +71,12 @@ def plain_clipped_sum(grads: Any, max_norm: float, mask: Any = None) -> Any:
     bk, _, flat, treedef, _ = flat_leaves("plain_clipped_sum", grads)
     _, leaves, _ = bk.flatten(grads)
     norms = sum((leaf**2).sum(1) for leaf in flat) ** 0.5
-    clipping = plain_clip_weights(bk, [norms], [float(max_norm)], mask)
+    weights = plain_clip_weights(bk, [norms], [float(max_norm)], mask, clipping)
     summed = [
-        (clipping.weights[0] @ f_leaf).reshape(bk.shape(leaf)[1:])
+        (weights.weights[0] @ f_leaf).reshape(bk.shape(leaf)[1:])
         for f_leaf, leaf in zip(flat, leaves)
     ]
-    return clip_statistics(bk, bk.unflatten(treedef, summed), [norms], [max_norm], clipping)
+    return clip_statistics(bk, bk.unflatten(treedef, summed), [norms], [max_norm], weights)
 
 
 @contextlib.contextmanager

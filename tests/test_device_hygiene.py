@@ -284,11 +284,28 @@ REVIEWED = {
         "ClippedSum.count and clip_fraction are already 0-d tensors on the gradients' device: "
         "as_tensor returns them as they are"
     ),
-    ("pergrad/_src/torch/sampling.py", "PoissonBatchSampler.__init__", "Generator"): (
-        "the sampler draws example indices for a DataLoader, on the host"
-    ),
     ("pergrad/_src/torch/sampling.py", "PoissonBatchSampler.__iter__", "rand"): (
         "the sampler's Bernoulli draws, on the host with its host generator"
+    ),
+    ("pergrad/_src/torch/sampling.py", "_check_generator", "Generator"): (
+        "the samplers' host generator: they draw example indices for a DataLoader, on the host"
+    ),
+    ("pergrad/_src/torch/sampling.py", "CyclicPoissonBatchSampler.__init__", "randint"): (
+        "the cyclic sampler's split of the examples into groups, on the host"
+    ),
+    ("pergrad/_src/torch/sampling.py", "CyclicPoissonBatchSampler.__init__", "from_numpy"): (
+        "the groups as a host tensor of example indices"
+    ),
+    ("pergrad/_src/torch/sampling.py", "CyclicPoissonBatchSampler.__iter__", "rand"): (
+        "the cyclic sampler's Bernoulli draws, on the host with its host generator"
+    ),
+    ("pergrad/_src/influence/metagradient_torch.py", "Replay._batch", "as_tensor"): (
+        "a step's example indices (numpy) as a host index tensor; moved to each data leaf's "
+        "device where it indexes it (`index.to(leaf.device)`)"
+    ),
+    ("pergrad/_src/influence/metagradient_torch.py", "Replay._check_loss", "zeros"): (
+        "the index of the first example, on the host, moved to each data leaf's device where "
+        "it indexes it"
     ),
 }
 

@@ -22,7 +22,9 @@ that minimises the largest prefix-sum error), accounted as one Gaussian release:
 Privacy is accounted through Google's ``dp-accounting`` (the ``dp`` extra): ``epsilon``,
 ``noise_multiplier_for`` and the ``Accountant`` that counts training steps. The accounting
 assumes Poisson sampling: ``poisson_batches`` (numpy indices, with ``pad_batch`` for a fixed
-shape under ``jax.jit``) and ``PoissonBatchSampler`` (a torch ``batch_sampler``).
+shape under ``jax.jit``) and ``PoissonBatchSampler`` (a torch ``batch_sampler``). A banded
+``toeplitz(..., min_separation=, sample_rate=)`` is accounted with amplification by cyclic
+Poisson sampling: ``cyclic_poisson_batches`` and ``CyclicPoissonBatchSampler`` draw it.
 
 The framework-free pieces (``clip``, ``clipped_sum``, ``add_noise``, ``private_mean``) take
 per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need JAX and optax,
@@ -43,7 +45,15 @@ from typing import Any
 from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.dp.accounting import Accountant, epsilon, noise_multiplier_for
 from pergrad._src.dp.clipping import ClippedSum, add_noise, clip, clipped_sum, private_mean
+from pergrad._src.dp.clipping_policies import (
+    AdaptiveClipping,
+    AutomaticClipping,
+    ClippingPolicy,
+    adaptive,
+    automatic,
+)
 from pergrad._src.dp.correlated import BLTNoise, CorrelatedNoise, ToeplitzNoise, blt, toeplitz
+from pergrad._src.dp.cyclic import cyclic_poisson_batches
 from pergrad._src.dp.from_loss import clipped_sum_of, private_grad_of
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, gaussian
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
@@ -60,6 +70,7 @@ _LAZY = {
     "DPTrainer": "pergrad._src.torch.hf_trainer",
     "broadcast_parameters": "pergrad._src.torch.distributed",
     "PoissonBatchSampler": "pergrad._src.torch.sampling",
+    "CyclicPoissonBatchSampler": "pergrad._src.torch.sampling",
     "collate_with_empty_batches": "pergrad._src.torch.sampling",
     "epsilon_lower_bound": "pergrad._src.dp.audit",
     "epsilon_lower_bound_ceiling": "pergrad._src.dp.audit",
@@ -92,9 +103,15 @@ __all__ = [
     "noise_multiplier_for",
     "pad_batch",
     "poisson_batches",
+    "cyclic_poisson_batches",
     "add_noise",
     "clip",
     "clipped_sum",
+    "ClippingPolicy",
+    "AutomaticClipping",
+    "AdaptiveClipping",
+    "automatic",
+    "adaptive",
     "clipped_sum_of",
     "private_mean",
     "private_grad_of",

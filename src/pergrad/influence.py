@@ -21,6 +21,12 @@ A training set split over processes or devices: score each shard with ``top_k(..
 shards' results (or :func:`all_gather_top_k` over ``torch.distributed``); the merged result
 equals the single-process one, ties included.
 
+Why did THIS trained model do that? :func:`metagradient` differentiates targets exactly through
+a deterministic replay of the training run (the MAGIC regime): ``d target / d w_i`` for each
+example's weight, SGD / momentum / Adam(W) (:func:`sgd`, :func:`adam`) or any optax
+transformation, on both frameworks; :func:`replay` is the same run with example weights, for
+checking the scores by retraining with the same initialisation and order.
+
 To measure how good a method's scores are, retrain on random half-size subsets
 (:func:`lds_subsets`) and compute the linear datamodeling score, :func:`lds`.
 
@@ -35,6 +41,7 @@ from pergrad._src.influence.ihvp import CG, Exact, InfluenceWarning, LiSSA
 from pergrad._src.influence.kfac import EKFAC, KFAC
 from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
+from pergrad._src.influence.metagradient import Metagradient, adam, metagradient, replay, sgd
 from pergrad._src.influence.projection import project
 from pergrad._src.influence.protocol import Estimator, Solver, Task
 from pergrad._src.influence.scores import (
@@ -63,10 +70,12 @@ __all__ = [
     "InfluenceWarning",
     "KFAC",
     "LiSSA",
+    "Metagradient",
     "Solver",
     "TRAK",
     "Task",
     "TopK",
+    "adam",
     "all_gather_top_k",
     "grad_cosine",
     "grad_dot",
@@ -75,9 +84,12 @@ __all__ = [
     "lds",
     "lds_subsets",
     "merge_top_k",
+    "metagradient",
     "project",
     "project_factored",
+    "replay",
     "self_influence",
+    "sgd",
     "top_k",
     "top_k_from_scores",
     "tracin",

@@ -9,6 +9,10 @@ a pytree prefix of the gradients (per-layer / per-group clipping: ``{"encoder": 
 0.5}`` clips each group of leaves to its own bound). The sensitivity of the clipped sum is then
 ``sqrt(sum of squared bounds)``, and the noise scales with it.
 
+How each example is scaled under its bound is the clipping policy (``clipping=``, from
+``clipping_policies.py``): ``min(1, bound / norm)`` by default, ``bound / (norm + gamma)``
+under automatic clipping; every path turns norms into weights through :func:`clip_weights`.
+
 An example whose gradient is not finite (an inf or nan in any entry, so its norm is not
 finite) gets weight 0 and is masked with ``where`` before any product (``0 * nan`` is nan): it
 contributes exactly nothing, is counted in :attr:`ClippedSum.nonfinite`, and still counts in
@@ -24,6 +28,13 @@ import operator
 from typing import Any, NamedTuple
 
 from pergrad._src.backends import Backend, backend_of
+from pergrad._src.dp.clipping_policies import (
+    ClippingPolicy,
+    check_clipping,
+    clip_factors,
+    gradient_noise_multiplier,
+    num_groups,
+)
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, add_independent_gaussian
 from pergrad._src.dp.types import ClippedSum
 from pergrad._src.errors import PergradValueError
@@ -48,13 +59,30 @@ def check_noise_multiplier(func_name: str, noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
+def check_bound(func_name: str, bk: Backend, name: str, value: Any) -> Any:
+    """A clipping bound: a positive number, or a 0-d array of the gradients' framework (a
+    bound that changes between steps, such as adaptive clipping's under ``jax.jit``), checked
+    positive where its value can be read."""
+    if bk.is_array(value) and bk.shape(value) == ():
+        if bk.known_all(value > 0) is False:
+            raise PergradValueError(
+                f"{func_name}: {name} must be positive; got the 0-d array {value!r}."
+            )
+        return value
+    return check_positive(func_name, name, value)
+
+
 def clip_groups(
     func_name: str, bk: Backend, grads: Any, max_norm: Any
-) -> tuple[list[int], list[float]]:
-    """Each leaf's group index and each group's bound, from a number or a pytree prefix."""
+) -> tuple[list[int], list[Any]]:
+    """Each leaf's group index and each group's bound, from a number (or 0-d array) or a
+    pytree prefix."""
     _, leaves, _ = bk.flatten(grads)
-    if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool):
-        return [0] * len(leaves), [check_positive(func_name, "max_norm", max_norm)]
+    if (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)) or (
+        bk.is_array(max_norm) and bk.shape(max_norm) == ()
+    ):
+        return [0] * len(leaves), [check_bound(func_name, bk, "max_norm", max_norm)]
+    max_norm = _in_key_order_of(max_norm, grads)
     _, bounds, bounds_def = bk.flatten(max_norm)
     ids = bk.broadcast_prefix(bk.unflatten(bounds_def, list(range(len(bounds)))), grads)
     if ids is None or not bounds:
@@ -63,12 +91,18 @@ def clip_groups(
             f"prefix of the gradients with one positive bound per group (per-layer "
             f"clipping); got {max_norm!r}, which does not match the gradients' structure."
         )
-    return ids, [check_positive(func_name, "each max_norm bound", b) for b in bounds]
+    return ids, [check_bound(func_name, bk, "each max_norm bound", b) for b in bounds]
 
 
-def clip_factors(norms: Any, bound: float) -> Any:
-    """min(1, bound / norm), written so that a zero norm gives 1 without a division by zero."""
-    return bound / norms.clip(min=bound)
+def _in_key_order_of(prefix: Any, tree: Any) -> Any:
+    """``prefix`` with each dict's keys in ``tree``'s order: torch's pytree flattens a dict in
+    insertion order and matches a prefix by position, so ``{"head": 0.5, "encoder": 1.0}``
+    against gradients ordered encoder-then-head would swap the bounds."""
+    if isinstance(prefix, dict) and isinstance(tree, dict) and set(prefix) == set(tree):
+        return {key: _in_key_order_of(prefix[key], tree[key]) for key in tree}
+    if type(prefix) in (list, tuple) and type(prefix) is type(tree) and len(prefix) == len(tree):
+        return type(prefix)(_in_key_order_of(p, t) for p, t in zip(prefix, tree))
+    return prefix
 
 
 class ClipWeights(NamedTuple):
@@ -87,19 +121,23 @@ class ClipWeights(NamedTuple):
 
 
 def clip_weights(
-    bk: Backend, group_norms: list[Any], bounds: list[float], mask: Any
+    bk: Backend,
+    group_norms: list[Any],
+    bounds: list[Any],
+    mask: Any,
+    policy: ClippingPolicy | None = None,
 ) -> ClipWeights:
-    """The examples' clip weights: non-finite examples and padding get 0, written with
-    ``where`` so that a nan norm cannot leak into the weights or the counts."""
+    """The examples' clip weights (``policy``'s factors; None: ``min(1, bound / norm)``):
+    non-finite examples and padding get 0, written with ``where`` so that a nan norm cannot
+    leak into the weights or the counts."""
+    factors = clip_factors if policy is None else policy.factors
     finite = functools.reduce(operator.and_, [bk.isfinite(n) for n in group_norms])
     first = group_norms[0]
     # 1 in the norms' dtype and device, also for a nan norm (a bfloat16 model's weights @ grads
     # refuses float32, and nan * 0 is nan)
     ones = bk.where(finite, first * 0 + 1, 1.0)
     real = ones if mask is None else ones * mask
-    weights = [
-        bk.where(finite, clip_factors(n, b), 0.0) * real for n, b in zip(group_norms, bounds)
-    ]
+    weights = [bk.where(finite, factors(n, b), 0.0) * real for n, b in zip(group_norms, bounds)]
     return ClipWeights(weights, real, finite)
 
 
@@ -133,35 +171,43 @@ def _group_norms(flat: list[Any], ids: list[int], num_groups: int) -> list[Any]:
     ]
 
 
-def clip(grads: Any, max_norm: Any) -> Any:
+def clip(grads: Any, max_norm: Any, clipping: ClippingPolicy | None = None) -> Any:
     """Per-example gradients scaled so each example's norm is at most ``max_norm``.
 
     Args:
       grads: per-example gradients, leaves ``(B, *param_shape)``, JAX or torch.
       max_norm: a positive number (flat), or a pytree prefix of ``grads`` with a bound per group
         (per-layer: each group's norm is at most its bound).
+      clipping: None scales by ``min(1, max_norm / norm)``; :func:`pergrad.dp.automatic` by
+        ``max_norm / (norm + gamma)``; :func:`pergrad.dp.adaptive` clips at ``max_norm`` as
+        None does (its bound changes between steps, see :func:`pergrad.dp.adaptive`).
 
     Returns:
       A new pytree like ``grads``. This keeps a clipped copy of every per-example gradient;
       for DP-SGD, :func:`clipped_sum` gives the sum without it. An example whose gradient is
       not finite (inf or nan) comes back as zeros.
     """
+    policy = check_clipping("clip", clipping)
     bk, _, flat, treedef, batch_size = flat_leaves("clip", grads)
     ids, bounds = clip_groups("clip", bk, grads, max_norm)
-    clipping = clip_weights(bk, _group_norms(flat, ids, len(bounds)), bounds, None)
-    all_finite = bk.known_all(clipping.finite) is True
+    weights = clip_weights(bk, _group_norms(flat, ids, len(bounds)), bounds, None, policy)
+    all_finite = bk.known_all(weights.finite) is True
     _, leaves, _ = bk.flatten(grads)
     clipped = []
     for leaf, g in zip(leaves, ids):
         rows = (batch_size, *([1] * (len(bk.shape(leaf)) - 1)))
         if not all_finite:
-            leaf = bk.where(clipping.finite.reshape(rows), leaf, 0.0)
-        clipped.append(leaf * clipping.weights[g].reshape(rows))
+            leaf = bk.where(weights.finite.reshape(rows), leaf, 0.0)
+        clipped.append(leaf * weights.weights[g].reshape(rows))
     return bk.unflatten(treedef, clipped)
 
 
 def clipped_sum(
-    grads: Any, max_norm: Any, mask: Any = None, axis_name: str | tuple[str, ...] | None = None
+    grads: Any,
+    max_norm: Any,
+    mask: Any = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    clipping: ClippingPolicy | None = None,
 ) -> ClippedSum:
     """Sum over the batch of per-example gradients clipped to ``max_norm``.
 
@@ -172,44 +218,48 @@ def clipped_sum(
 
     Args:
       grads: per-example gradients, leaves ``(B, *param_shape)``.
-      max_norm: a positive number, or a pytree prefix of ``grads`` with one bound per group.
+      max_norm: a positive number (or a 0-d array of the gradients' framework, a bound that
+        changes between steps under ``jax.jit``), or a pytree prefix of ``grads`` with one
+        bound per group.
       mask: optional ``(B,)`` booleans or 0/1, False for padding examples (a Poisson batch
         padded to a fixed size for ``jax.jit``); padding contributes nothing.
       axis_name: JAX only, inside ``jax.shard_map``: the mesh axis the examples are split
         over. ``grads`` are then this device's examples, and the result's ``sum``, ``count``
         and ``clip_fraction`` cover all devices (see :func:`pergrad.dp.psum_clipped`).
+      clipping: the clipping policy, as for :func:`clip` (None: ``min(1, max_norm / norm)``).
 
     Returns:
       A :class:`ClippedSum`. An example whose gradient is not finite (inf or nan) contributes
       nothing and is counted in ``nonfinite``; it still counts in ``count``.
     """
+    policy = check_clipping("clipped_sum", clipping)
     if axis_name is not None:
         from pergrad._src.dp.psum import check_axis_name, psum_clipped
 
         check_axis_name("clipped_sum", axis_name)
-        local = clipped_sum(grads, max_norm, mask)
+        local = clipped_sum(grads, max_norm, mask, clipping=policy)
         return psum_clipped(local, axis_name, func_name="clipped_sum")
     bk, _, flat, treedef, batch_size = flat_leaves("clipped_sum", grads)
     ids, bounds = clip_groups("clipped_sum", bk, grads, max_norm)
     if mask is not None:
         _check_mask(bk, mask, batch_size)
     group_norms = _group_norms(flat, ids, len(bounds))
-    clipping = clip_weights(bk, group_norms, bounds, mask)
-    finite_rows = clipping.finite.reshape(batch_size, 1)
+    weights = clip_weights(bk, group_norms, bounds, mask, policy)
+    finite_rows = weights.finite.reshape(batch_size, 1)
     _, leaves, _ = bk.flatten(grads)
     # The where keeps a non-finite example's rows out of the product (0 * nan would still be
     # nan) at the cost of one pass over the gradients and a B x P temporary (1.55x a torch DP
     # step, benchmarks/results/cpu/nonfinite_cost.md), so it is skipped where the norms can
     # be read and are all finite (eager torch, JAX outside jit). Under jax.jit it always runs:
     # a lax.cond would compile both branches' all-reduce of a sharded batch's sum.
-    clean = bk.known_all(clipping.finite) is not True
+    clean = bk.known_all(weights.finite) is not True
     summed = [
-        (clipping.weights[g] @ (bk.where(finite_rows, f_leaf, 0.0) if clean else f_leaf)).reshape(
+        (weights.weights[g] @ (bk.where(finite_rows, f_leaf, 0.0) if clean else f_leaf)).reshape(
             bk.shape(leaf)[1:]
         )
         for f_leaf, leaf, g in zip(flat, leaves, ids)
     ]
-    return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, clipping)
+    return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, weights)
 
 
 def _check_mask(bk: Backend, mask: Any, batch_size: int) -> Any:
@@ -245,6 +295,7 @@ def private_mean(
     expected_batch_size: float | None = None,
     mask: Any = None,
     axis_name: str | tuple[str, ...] | None = None,
+    clipping: ClippingPolicy | None = None,
 ) -> tuple[Any, ClippedSum]:
     """The DP-SGD gradient: clip each example, sum, add noise, divide by the batch size.
 
@@ -261,14 +312,21 @@ def private_mean(
         over. The clipped sums are added across devices first, then the noise is added once
         (``rng`` must be the same key on every device) and the sum divided by the global
         count or ``expected_batch_size``.
+      clipping: the clipping policy, as for :func:`clip`. Under :func:`pergrad.dp.adaptive`
+        the gradient's noise multiplier is raised
+        (:meth:`~pergrad.dp.AdaptiveClipping.gradient_noise_multiplier`) to leave room for the
+        noisy count that :meth:`~pergrad.dp.AdaptiveClipping.next_max_norm` releases: account
+        with ``noise_multiplier``.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
       and the clipping statistics.
     """
     check_private_settings("private_mean", noise_multiplier, expected_batch_size)
-    clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name)
-    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size)[0], clipped
+    policy = check_clipping("private_mean", clipping)
+    clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name, clipping=policy)
+    multiplier = gradient_noise_multiplier(policy, noise_multiplier, num_groups(clipped.norms))
+    return noisy_mean(clipped, multiplier, rng, expected_batch_size)[0], clipped
 
 
 def check_private_settings(func_name: str, noise_multiplier: Any, expected_batch_size: Any) -> None:
@@ -289,8 +347,20 @@ def noisy_mean(
     divided by expected_batch_size (or by the number of real examples when it is None), the
     mechanism's next state)``; ``noise`` None is independent Gaussian noise."""
     mechanism = GaussianNoise() if noise is None else noise
-    std = noise_multiplier * clipped.sensitivity
-    noisy, noise_state = mechanism.add(clipped.sum, std, rng, noise_state)
+    sensitivity = clipped.sensitivity
+    if isinstance(sensitivity, (int, float)):
+        std = noise_multiplier * sensitivity
+        noisy, noise_state = mechanism.add(clipped.sum, std, rng, noise_state)
+    else:
+        # A bound held in an array (adaptive clipping under jax.jit): the noise of std
+        # noise_multiplier * sensitivity is sensitivity times that of std noise_multiplier
+        # added to sum / sensitivity, which the mechanisms take as a number.
+        bk = backend_of(clipped.sum, "private_mean", "grads")
+        _, leaves, treedef = bk.flatten(clipped.sum)
+        scaled = bk.unflatten(treedef, [leaf / sensitivity for leaf in leaves])
+        noisy, noise_state = mechanism.add(scaled, noise_multiplier, rng, noise_state)
+        _, leaves, treedef = bk.flatten(noisy)
+        noisy = bk.unflatten(treedef, [leaf * sensitivity for leaf in leaves])
     bk = backend_of(noisy, "private_mean", "grads")
     if expected_batch_size is None:
         denominator = clipped.count.clip(min=1.0)

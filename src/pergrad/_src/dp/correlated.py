@@ -6,8 +6,10 @@ C^-1`` the *noising matrix*, ``C`` the lower-triangular Toeplitz *strategy matri
 ``sigma = noise_multiplier * max_norm * sensitivity``. Since ``x + sigma M z = M (C x + sigma
 z)``, the run is a post-processing of ONE Gaussian release of ``C x``, whose L2 sensitivity
 over the allowed participation patterns of one example is ``max_norm * sensitivity``: its DP
-event is one ``GaussianDpEvent(noise_multiplier)``, whatever the number of steps. Step ``t``
-adds row ``t`` of ``sigma * M z``, generated as the steps come (:meth:`CorrelatedNoise.add`):
+event is one ``GaussianDpEvent(noise_multiplier)``, whatever the number of steps (a banded
+strategy under cyclic Poisson sampling is accounted with amplification instead:
+:mod:`pergrad._src.dp.cyclic`). Step ``t`` adds row ``t`` of ``sigma * M z``, generated as the
+steps come (:meth:`CorrelatedNoise.add`):
 
 - :func:`toeplitz`: ``C`` Toeplitz with the given first column, banded when it is shorter than
   the run (``bands = len(strategy_coefs)``). The noise solves ``C x = z`` row by row, keeping
@@ -43,7 +45,16 @@ import numpy as np
 
 from pergrad._src.backends import backend_of
 from pergrad._src.dp.accounting import check_count
+from pergrad._src.dp.cyclic import amplified_event, check_amplified_run
 from pergrad._src.dp.noise import NoiseMechanism
+from pergrad._src.dp.toeplitz_algebra import (
+    blt_rational,
+    blt_strategy_coefs,
+    earliest_pattern_sensitivity_squared,
+    lower_triangular_toeplitz,
+    prefix_sum_max_error,
+    rational_coefs,
+)
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 # Coefficients are "non-increasing" up to rounding of this relative size (BLT coefficients are
@@ -86,7 +97,8 @@ class CorrelatedNoise(NoiseMechanism):
         self._strategy_coefs.setflags(write=False)
         self._noising_coefs: np.ndarray | None = None
         self._sensitivity: float | None = None
-        if participations > 1:
+        # (with a sample_rate, set by the subclass before this, each release is one column)
+        if participations > 1 and self.sample_rate is None:
             _check_earliest_pattern_is_worst(func_name, coefs_arg, strategy_coefs, participations)
 
     # --- the run --------------------------------------------------------------------------
@@ -97,8 +109,10 @@ class CorrelatedNoise(NoiseMechanism):
         return self._steps
 
     @property
-    def sample_rate(self) -> None:
-        """None: the accounting assumes no amplification by sampling (one Gaussian release)."""
+    def sample_rate(self) -> float | None:
+        """None: the accounting assumes no amplification by sampling (one Gaussian release).
+        A banded :func:`toeplitz` made with ``sample_rate`` returns it (cyclic Poisson
+        sampling, amplified accounting)."""
         return None
 
     @property
@@ -137,10 +151,13 @@ class CorrelatedNoise(NoiseMechanism):
         """The largest ``||C u||`` over the indicator vectors ``u`` of the allowed
         participation patterns (at most :attr:`participations` steps, at least
         :attr:`min_separation` apart); sqrt(participations) for DP-SGD (``toeplitz([1.0])``).
+        With :attr:`sample_rate` (cyclic Poisson sampling), the norm of one participation's
+        column, ``||strategy_coefs||``: the accounting composes the participations.
         """
         if self._sensitivity is None:
+            released = 1 if self.sample_rate is not None else self._participations
             squared = earliest_pattern_sensitivity_squared(
-                self._strategy_coefs, self._participations, self._min_separation or 1
+                self._strategy_coefs, released, self._min_separation or 1
             )
             self._sensitivity = math.sqrt(squared)
         return self._sensitivity
@@ -220,15 +237,20 @@ class CorrelatedNoise(NoiseMechanism):
     def dp_event(self, dpa: Any, noise_multiplier: float, steps: int, sampled: Any) -> Any:
         """One ``GaussianDpEvent(noise_multiplier)``: the whole run is one Gaussian release of
         ``C x`` with the sensitivity folded into the noise; ``steps`` and ``sampled`` do not
-        enter (no amplification by sampling is claimed)."""
-        del steps, sampled
+        enter (no amplification by sampling is claimed). With :attr:`sample_rate`, the
+        amplified event of cyclic Poisson sampling: ``ceil(steps / min_separation)``
+        self-composed Poisson-sampled Gaussian releases (:mod:`pergrad._src.dp.cyclic`)."""
+        if self.sample_rate is not None:
+            assert self._min_separation is not None  # checked with the sample_rate
+            return amplified_event(dpa, noise_multiplier, steps, self._min_separation, sampled)
         return dpa.GaussianDpEvent(noise_multiplier)
 
     def _run_repr(self) -> str:
         separation = (
             "" if self._min_separation is None else f", min_separation={self._min_separation}"
         )
-        return f"steps={self._steps}, participations={self._participations}{separation}"
+        rate = "" if self.sample_rate is None else f", sample_rate={self.sample_rate!r}"
+        return f"steps={self._steps}, participations={self._participations}{separation}{rate}"
 
     @abc.abstractmethod
     def _key(self) -> tuple[Any, ...]: ...
@@ -247,11 +269,18 @@ class ToeplitzNoise(CorrelatedNoise):
         self,
         strategy_coefs: Any,
         steps: int,
-        participations: int = 1,
+        participations: int | None = None,
         min_separation: int | None = None,
+        sample_rate: float | None = None,
     ) -> None:
         fn = "toeplitz"
-        steps, participations, min_separation = check_run(fn, steps, participations, min_separation)
+        if sample_rate is None:
+            participations = 1 if participations is None else participations
+            steps, participations, min_separation = check_run(
+                fn, steps, participations, min_separation
+            )
+        else:  # the participations follow from the cyclic sampling
+            steps, _, min_separation = check_run(fn, steps, 1, min_separation)
         coefs = _check_vector(fn, "strategy_coefs", strategy_coefs)
         if not 1 <= coefs.size <= steps:
             raise PergradValueError(
@@ -263,10 +292,21 @@ class ToeplitzNoise(CorrelatedNoise):
                 f"{fn}: strategy_coefs[0] must be > 0 (the diagonal of C, which must be "
                 f"invertible); got {coefs[0]!r}."
             )
+        if sample_rate is not None:
+            sample_rate, participations = check_amplified_run(
+                fn, coefs.size, steps, participations, min_separation, sample_rate
+            )
+        self._sample_rate = sample_rate
         self._bands_coefs = coefs
         full = np.zeros(steps)
         full[: coefs.size] = coefs
         super().__init__(fn, full, "strategy_coefs", steps, participations, min_separation)
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The Poisson rate within a group of cyclic Poisson sampling that the accounting
+        assumes (amplified), or None (one Gaussian release, no sampling)."""
+        return self._sample_rate
 
     @property
     def bands(self) -> int:
@@ -293,7 +333,7 @@ class ToeplitzNoise(CorrelatedNoise):
 
     def _key(self) -> tuple[Any, ...]:
         return (tuple(self._bands_coefs.tolist()), self._steps, self._participations,
-                self._min_separation)  # fmt: skip
+                self._min_separation, self._sample_rate)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"ToeplitzNoise(strategy_coefs={self._bands_coefs.tolist()}, {self._run_repr()})"
@@ -383,8 +423,9 @@ def toeplitz(
     strategy_coefs: Sequence[float] | np.ndarray,
     *,
     steps: int,
-    participations: int = 1,
+    participations: int | None = None,
     min_separation: int | None = None,
+    sample_rate: float | None = None,
 ) -> ToeplitzNoise:
     """Correlated noise of a lower-triangular Toeplitz strategy matrix ``C`` with this first
     column (banded when shorter than the run).
@@ -400,20 +441,37 @@ def toeplitz(
     ``toeplitz([1.0], steps=n)`` is DP-SGD's noise (``M = I``) accounted without sampling.
     The state keeps ``len(strategy_coefs) - 1`` arrays shaped like the model.
 
+    With ``sample_rate`` (amplified banded matrix factorisation, Choquette-Choo et al. 2023),
+    the data are split into ``min_separation`` groups and step ``t`` Poisson-samples group
+    ``t % min_separation`` (:func:`pergrad.dp.cyclic_poisson_batches`,
+    ``CyclicPoissonBatchSampler``); the strategy must have at most ``min_separation`` bands,
+    the sensitivity is one column's norm, and the run is accounted as
+    ``ceil(steps / min_separation)`` Poisson-sampled Gaussian steps at ``sample_rate``::
+
+        mech = pergrad.dp.toeplitz([1.0, 0.5], steps=1000, min_separation=4, sample_rate=0.02)
+        pergrad.dp.epsilon(noise_multiplier=1.0, delta=1e-5, noise=mech)   # amplified
+        batches = pergrad.dp.cyclic_poisson_batches(len(X), noise=mech)
+        # expected_batch_size = len(X) * sample_rate / min_separation
+
     Args:
       strategy_coefs: the first column of ``C``, 1 to ``steps`` finite numbers, the first
         ``> 0``; with ``participations > 1`` non-negative and non-increasing (so that the
         earliest participation pattern is the worst, see the module docstring).
       steps: the number of steps of the run, ``>= 1``.
-      participations: the largest number of steps one example takes part in, ``>= 1``.
+      participations: the largest number of steps one example takes part in, ``>= 1`` (None:
+        1; with ``sample_rate``, ``ceil(steps / min_separation)``, the only value allowed).
       min_separation: the smallest gap between two of them (1: consecutive steps allowed;
         None: 1). One epoch of ``b`` steps repeated in the same order is ``min_separation=b``.
+        With ``sample_rate``: the number of groups, required, ``>= len(strategy_coefs)``.
+      sample_rate: None (default: no sampling, one Gaussian release), or the Poisson rate
+        within the step's group of cyclic Poisson sampling, in ``(0, 1]``.
 
     Raises:
-      ValueError: an argument out of range (the message names it), or participations that
-        do not fit in the run.
+      ValueError: an argument out of range (the message names it), participations that do
+        not fit in the run, or a ``sample_rate`` without ``min_separation`` or with more than
+        ``min_separation`` coefficients.
     """
-    return ToeplitzNoise(strategy_coefs, steps, participations, min_separation)
+    return ToeplitzNoise(strategy_coefs, steps, participations, min_separation, sample_rate)
 
 
 def blt(
@@ -447,76 +505,6 @@ def blt(
       ValueError: an argument out of range (the message names it).
     """
     return BLTNoise(buffer_decays, output_scales, steps, participations, min_separation)
-
-
-# --- the numbers (numpy, float64) ----------------------------------------------------------
-
-
-def lower_triangular_toeplitz(first_column: np.ndarray) -> np.ndarray:
-    """The ``(n, n)`` lower-triangular Toeplitz matrix with this first column."""
-    from scipy.linalg import toeplitz as dense_toeplitz
-
-    return dense_toeplitz(first_column, np.zeros_like(first_column))
-
-
-def blt_strategy_coefs(decays: np.ndarray, scales: np.ndarray, steps: int) -> np.ndarray:
-    """The first column of a BLT's ``C``: ``1, t_1, ..., t_{steps-1}``."""
-    powers = decays[None, :] ** np.arange(steps - 1)[:, None]  # 0 ** 0 is 1
-    return np.concatenate([[1.0], powers @ scales])
-
-
-def blt_rational(decays: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(numerator, denominator)`` polynomial coefficients, increasing powers of ``x``, of the
-    generating function of a BLT's first column: ``1 + x sum_j s_j / (1 - d_j x) = (P + x Q) /
-    P`` with ``P = prod_j (1 - d_j x)`` and ``Q = sum_j s_j prod_{k != j} (1 - d_k x)``."""
-    denominator = np.ones(1)
-    for decay in decays:
-        denominator = np.convolve(denominator, [1.0, -decay])
-    numerator = np.concatenate([denominator, [0.0]])
-    for j, scale in enumerate(scales):
-        others = np.ones(1)
-        for k, decay in enumerate(decays):
-            if k != j:
-                others = np.convolve(others, [1.0, -decay])
-        numerator[1 : others.size + 1] += scale * others
-    return numerator, denominator
-
-
-def rational_coefs(numerator: Any, denominator: Any, steps: int) -> np.ndarray:
-    """The first ``steps`` power-series coefficients of ``numerator(x) / denominator(x)``."""
-    try:
-        from scipy.signal import lfilter
-    except ImportError as err:
-        raise ImportError(
-            "pergrad's correlated noise needs scipy, which is not installed. Install it "
-            "with: pip install 'pergrad[dp]'"
-        ) from err
-    impulse = np.zeros(steps)
-    impulse[0] = 1.0
-    return lfilter(np.asarray(numerator, float), np.asarray(denominator, float), impulse)
-
-
-def earliest_pattern_sensitivity_squared(
-    strategy_coefs: np.ndarray, participations: int, min_separation: int
-) -> float:
-    """``||C u||^2`` for ``u`` the indicator of steps ``0, b, ..., (k - 1) b`` (``k``
-    participations, ``b`` the separation), ``C`` lower-triangular Toeplitz with first column
-    ``strategy_coefs``: the sum of the first column shifted down by ``p b``."""
-    steps = strategy_coefs.size
-    column_sum = np.zeros(steps)
-    for p in range(participations):
-        start = p * min_separation
-        column_sum[start:] += strategy_coefs[: steps - start]
-    return float(column_sum @ column_sum)
-
-
-def prefix_sum_max_error(noising_coefs: np.ndarray) -> float:
-    """The largest squared row norm of ``A M``, ``M`` lower-triangular Toeplitz with first
-    column ``noising_coefs``, ``A`` lower-triangular ones (so ``A M`` is Toeplitz with first
-    column ``cumsum(noising_coefs)``; row ``t``'s squared norm is the sum of its first ``t + 1``
-    squares)."""
-    prefix = np.cumsum(noising_coefs)
-    return float(np.max(np.cumsum(prefix * prefix)))
 
 
 # --- validation and helpers ----------------------------------------------------------------

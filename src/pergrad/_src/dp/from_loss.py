@@ -13,6 +13,7 @@ from pergrad._src.api.reductions import global_norms, setup_reduce_request
 from pergrad._src.core.call import Call, Spec, rebuild_grads
 from pergrad._src.dp.clipping import (
     ClippedSum,
+    check_bound,
     check_positive,
     check_private_settings,
     clip_groups,
@@ -20,6 +21,12 @@ from pergrad._src.dp.clipping import (
     clip_weights,
     clipped_sum,
     noisy_mean,
+)
+from pergrad._src.dp.clipping_policies import (
+    ClippingPolicy,
+    check_clipping,
+    gradient_noise_multiplier,
+    num_groups,
 )
 from pergrad._src.errors import PergradValueError
 from pergrad._src.strategies import registry
@@ -35,6 +42,7 @@ def clipped_sum_of(
     strategy: str = "auto",
     chunk_size: int | None = None,
     mask: Any = None,
+    clipping: ClippingPolicy | None = None,
 ) -> ClippedSum:
     """The sum of per-example gradients clipped to ``max_norm``, without materialising them.
 
@@ -57,6 +65,10 @@ def clipped_sum_of(
         gradient is clipped to its bound, and ``norms`` is then a list of ``(B,)`` group norms.
       mask: optional ``(B,)`` booleans or 0/1, False for padding examples, which then
         contribute nothing.
+      clipping: the clipping policy, as for :func:`pergrad.dp.clip`: None gives
+        ``c_i = min(1, max_norm / |g_i|)``, :func:`pergrad.dp.automatic` gives
+        ``c_i = max_norm / (|g_i| + gamma)`` on every strategy (per group with per-group
+        bounds), :func:`pergrad.dp.adaptive` clips at ``max_norm`` as None does.
 
     Differentiating through the result (meta-learning, a hypergradient) treats the clip
     factors as constants, as DP-SGD does; ``pergrad.dp.clipped_sum`` of materialised
@@ -88,6 +100,7 @@ def clipped_sum_of(
         strategy=strategy,
         chunk_size=chunk_size,
         mask=mask,
+        clipping=clipping,
     ).clipped
 
 
@@ -110,24 +123,29 @@ def clipped_sum_run(
     strategy: str = "auto",
     chunk_size: int | None = None,
     mask: Any = None,
+    clipping: ClippingPolicy | None = None,
 ) -> ClippedRun:
     """:func:`clipped_sum_of`, with the plan and the strategy that ran (internal: for callers
     that report them, such as ``DPOptimizer``, from one assessment of the call)."""
     func_name = "clipped_sum_of"
+    policy = check_clipping(func_name, clipping)
     per_group = isinstance(max_norm, (dict, list, tuple))
-    if not per_group:
-        check_positive(func_name, "max_norm", max_norm)
+    if not per_group and getattr(max_norm, "shape", None) != ():
+        check_positive(func_name, "max_norm", max_norm)  # before the call is analysed
     request, chosen = setup_reduce_request(
         func_name, fn, args, argnums, in_axes, strategy, chunk_size
     )
     spec, call = request.spec, request.call
+    if not per_group:
+        max_norm = check_bound(func_name, call.backend, "max_norm", max_norm)
     if mask is not None:
         check_mask(func_name, call, mask)
     assert chosen.choice is not None  # every "reduce" strategy reports its choice
     if chosen.strategy == "materialize":
         grads, ran = registry.execute("reduce", request, strategy, chosen)
-        return ClippedRun(clipped_sum(grads, max_norm, mask=mask), chosen.choice, ran)
-    ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [float(max_norm)])
+        clipped = clipped_sum(grads, max_norm, mask=mask, clipping=policy)
+        return ClippedRun(clipped, chosen.choice, ran)
+    ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [max_norm])
 
     def group_norms(squared: list[Any]) -> list[Any]:
         if ids is None:
@@ -140,7 +158,7 @@ def clipped_sum_run(
     def weights_from(squared: list[Any]) -> Any:
         # 0 for padding and for an example whose gradient is not finite: the strategies zero
         # the records of every example of weight 0 before summing (0 * nan is nan)
-        weights = clip_weights(call.backend, group_norms(squared), bounds, mask).weights
+        weights = clip_weights(call.backend, group_norms(squared), bounds, mask, policy).weights
         # one array object per group: the strategies compute each group's sum once
         return weights[0] if ids is None else [weights[g] for g in ids]
 
@@ -148,12 +166,12 @@ def clipped_sum_run(
     reduction, ran = registry.execute("reduce", request, strategy, chosen)
     norms = group_norms(reduction.squared_norms)
     summed = rebuild_grads(spec, call, reduction.weighted_sums)
-    clipping = clip_weights(call.backend, norms, bounds, mask)
-    clipped = clip_statistics(call.backend, summed, norms, bounds, clipping)
+    weights = clip_weights(call.backend, norms, bounds, mask, policy)
+    clipped = clip_statistics(call.backend, summed, norms, bounds, weights)
     return ClippedRun(clipped, chosen.choice, ran)
 
 
-def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[float]]:
+def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[Any]]:
     """Each differentiated leaf's group and each group's bound, for per-group ``max_norm``."""
     template = rebuild_grads(spec, call, [call.leaves[i][j] for i, j in call.diff_positions])
     ids, bounds = clip_groups(spec.func_name, call.backend, template, max_norm)
@@ -169,7 +187,7 @@ def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[f
 def private_grad_of(
     fn: Callable[..., Any],
     *args: Any,
-    max_norm: float,
+    max_norm: Any,
     noise_multiplier: float,
     rng: Any,
     expected_batch_size: float | None = None,
@@ -178,6 +196,7 @@ def private_grad_of(
     in_axes: Any = "auto",
     strategy: str = "auto",
     chunk_size: int | None = None,
+    clipping: ClippingPolicy | None = None,
 ) -> tuple[Any, ClippedSum]:
     """The DP-SGD gradient straight from the loss of one example, without per-example gradients.
 
@@ -189,7 +208,7 @@ def private_grad_of(
     Args:
       fn: as for :func:`clipped_sum_of`.
       *args: as for :func:`clipped_sum_of`.
-      max_norm: the clipping bound, a positive number.
+      max_norm: the clipping bound, as for :func:`clipped_sum_of`.
       noise_multiplier: as for :func:`pergrad.dp.private_mean`.
       rng: as for :func:`pergrad.dp.private_mean` (a JAX key, a ``torch.Generator`` or a
         :class:`pergrad.dp.SecureRandom`).
@@ -200,6 +219,9 @@ def private_grad_of(
       strategy: as for :func:`clipped_sum_of`.
       chunk_size: as for :func:`clipped_sum_of`.
       mask: as for :func:`clipped_sum_of`.
+      clipping: as for :func:`pergrad.dp.private_mean`: under :func:`pergrad.dp.adaptive` the
+        gradient's noise multiplier is raised to leave room for the noisy count that
+        :meth:`~pergrad.dp.AdaptiveClipping.next_max_norm` releases.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient, shaped like the
@@ -213,6 +235,7 @@ def private_grad_of(
         updates, opt_state = optimizer.update(grad, opt_state, params)
     """
     check_private_settings("private_grad_of", noise_multiplier, expected_batch_size)
+    policy = check_clipping("private_grad_of", clipping)
     clipped = clipped_sum_of(
         fn,
         *args,
@@ -222,8 +245,10 @@ def private_grad_of(
         strategy=strategy,
         chunk_size=chunk_size,
         mask=mask,
+        clipping=policy,
     )
-    return noisy_mean(clipped, noise_multiplier, rng, expected_batch_size)[0], clipped
+    multiplier = gradient_noise_multiplier(policy, noise_multiplier, num_groups(clipped.norms))
+    return noisy_mean(clipped, multiplier, rng, expected_batch_size)[0], clipped
 
 
 def check_mask(func_name: str, call: Call, mask: Any) -> None:

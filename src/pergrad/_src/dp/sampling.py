@@ -63,6 +63,12 @@ def poisson_batches(
     num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
     sample_rate = check_sample_rate(fn, sample_rate)
     steps = check_count(fn, "steps", steps, minimum=0)
+    return _poisson_batches(num_examples, sample_rate, steps, generator_of_seed(fn, seed))
+
+
+def generator_of_seed(fn: str, seed: Any) -> np.random.Generator:
+    """numpy's ``Generator`` seeded with ``seed``, an int, or with a fresh 128-bit seed from
+    the operating system's secure source where ``seed`` is None."""
     if seed is None:
         seed = secrets.randbits(128)
     elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
@@ -70,7 +76,7 @@ def poisson_batches(
             f"{fn}: seed must be an int or None (a secure random seed), got "
             f"{type(seed).__name__} {seed!r}."
         )
-    return _poisson_batches(num_examples, sample_rate, steps, np.random.default_rng(int(seed)))
+    return np.random.default_rng(int(seed))
 
 
 def _poisson_batches(
@@ -181,7 +187,9 @@ def max_batch_size_for(
     # upper_tail[i] = P(size > sizes[i]) = mass in (sizes[i], high] + mass above the window.
     mass_above_window = overflow_probability * 1e-6 if high < num_examples else 0.0
     upper_tail = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]]) + mass_above_window
-    within = np.flatnonzero(upper_tail <= overflow_probability)
+    # The tail is summed from exponentials of log-space terms, a few ulps off: a tail equal
+    # to overflow_probability may come out just above it (N=1, q=0.01: 0.010000000000000004).
+    within = np.flatnonzero(upper_tail <= overflow_probability * (1 + 1e-12))
     return int(sizes[within[0]])
 
 

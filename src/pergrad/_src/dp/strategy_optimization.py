@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from pergrad._src.dp.accounting import check_count
-from pergrad._src.dp.correlated import (
-    BLTNoise,
+from pergrad._src.dp.correlated import BLTNoise, check_run
+from pergrad._src.dp.toeplitz_algebra import (
     blt_rational,
     blt_strategy_coefs,
-    check_run,
     earliest_pattern_sensitivity_squared,
     prefix_sum_max_error,
     rational_coefs,

@@ -10,6 +10,7 @@ from pergrad._src.influence import (  # noqa: F401  (imported to register their 
     ihvp,
     influence_function,
     kfac,
+    metagradient,
     similarity,
     tracin,
     trak,

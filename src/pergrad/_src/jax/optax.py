@@ -8,11 +8,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pergrad._src.backends import get_backend
 from pergrad._src.dp.clipping import (
     check_noise_multiplier,
     check_positive,
     clipped_sum,
     noisy_mean,
+)
+from pergrad._src.dp.clipping_policies import (
+    AdaptiveClipping,
+    ClippingPolicy,
+    check_adaptive_noise,
+    check_clipping,
 )
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.psum import check_axis_name
@@ -22,14 +29,17 @@ from pergrad._src.errors import PergradTypeError
 class PrivateAggregateState(NamedTuple):
     """The noise key, the last step's clipping statistics (for logging): the share of
     real examples clipped, their number, and how many of them had a gradient that was not
-    finite (zeroed, see :func:`optax_aggregate`); and the noise mechanism's state (``()`` for
-    independent Gaussian noise)."""
+    finite (zeroed, see :func:`optax_aggregate`); the noise mechanism's state (``()`` for
+    independent Gaussian noise); and, under :func:`pergrad.dp.adaptive` clipping, the bound
+    the next step clips at (a 0-d array, or ``max_norm``'s pytree of them; ``()`` otherwise).
+    """
 
     key: jax.Array
     clip_fraction: jax.Array
     count: jax.Array
     nonfinite: jax.Array
     noise_state: Any = ()
+    max_norm: Any = ()
 
 
 def optax_aggregate(
@@ -39,6 +49,7 @@ def optax_aggregate(
     expected_batch_size: float | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     noise: NoiseMechanism | None = None,
+    clipping: ClippingPolicy | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The private aggregate of DP-SGD: per-example gradients in, one noisy mean gradient out.
 
@@ -78,6 +89,13 @@ def optax_aggregate(
       axis_name: for use inside ``jax.shard_map`` only, see above.
       noise: the noise mechanism (None: :func:`pergrad.dp.gaussian`, independent Gaussian
         noise at every step); its state is kept in the optax state.
+      clipping: the clipping policy (None: ``min(1, max_norm / norm)``).
+        :func:`pergrad.dp.automatic` scales each gradient by ``max_norm / (norm + gamma)``.
+        :func:`pergrad.dp.adaptive` starts at ``max_norm`` and moves the bound after each step
+        (``state.max_norm`` holds it; per group for a pytree ``max_norm``), releasing a noisy
+        count of the examples within it from the state's key; the gradient's noise
+        multiplier is raised to pay for it, so account with ``noise_multiplier``. Adaptive
+        clipping needs independent Gaussian noise (``noise`` None).
     """
     if isinstance(key, int) and not isinstance(key, bool):
         key = jax.random.key(key)
@@ -92,6 +110,11 @@ def optax_aggregate(
         check_positive("optax_aggregate", "max_norm", max_norm)
     check_axis_name("optax_aggregate", axis_name)
     mechanism = check_mechanism("optax_aggregate", noise)
+    policy = check_clipping("optax_aggregate", clipping)
+    if isinstance(policy, AdaptiveClipping):
+        return _adaptive_aggregate(
+            max_norm, noise_multiplier, key, expected_batch_size, axis_name, mechanism, policy
+        )
 
     def init(params: Any) -> PrivateAggregateState:
         zeros = jnp.zeros(())
@@ -107,12 +130,73 @@ def optax_aggregate(
     ) -> tuple[Any, PrivateAggregateState]:
         del params, extra
         next_key, noise_key = jax.random.split(state.key)
-        stats = clipped_sum(updates, max_norm, mask=mask, axis_name=axis_name)
+        stats = clipped_sum(updates, max_norm, mask=mask, axis_name=axis_name, clipping=policy)
         mean, noise_state = noisy_mean(
             stats, noise_multiplier, noise_key, expected_batch_size, mechanism, state.noise_state
         )
         return mean, PrivateAggregateState(
             next_key, stats.clip_fraction, stats.count, stats.nonfinite, noise_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _adaptive_aggregate(
+    max_norm: Any,
+    noise_multiplier: float,
+    key: jax.Array,
+    expected_batch_size: float | None,
+    axis_name: str | tuple[str, ...] | None,
+    mechanism: NoiseMechanism,
+    policy: AdaptiveClipping,
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`optax_aggregate` under adaptive clipping: the bounds live in the state."""
+    initial, bounds_def = jax.tree_util.tree_flatten(max_norm)
+    for bound in initial:
+        check_positive("optax_aggregate", "each max_norm bound", bound)
+    gradient_multiplier = check_adaptive_noise(
+        "optax_aggregate", policy, mechanism, noise_multiplier, len(initial)
+    )
+
+    def init(params: Any) -> PrivateAggregateState:
+        zeros = jnp.zeros(())
+        bounds = [jnp.asarray(b, jnp.float32) for b in initial]
+        return PrivateAggregateState(
+            key, zeros, zeros, zeros, mechanism.init(params), bounds_def.unflatten(bounds)
+        )
+
+    def update(
+        updates: Any,
+        state: PrivateAggregateState,
+        params: Any = None,
+        *,
+        mask: Any = None,
+        **extra: Any,
+    ) -> tuple[Any, PrivateAggregateState]:
+        del params, extra
+        next_key, noise_key, count_key = jax.random.split(state.key, 3)
+        bounds = jax.tree_util.tree_leaves(state.max_norm)
+        stats = clipped_sum(
+            updates, state.max_norm, mask=mask, axis_name=axis_name, clipping=policy
+        )
+        mean, noise_state = noisy_mean(
+            stats, gradient_multiplier, noise_key, expected_batch_size, mechanism, state.noise_state
+        )
+        group_norms = stats.norms if isinstance(stats.norms, list) else [stats.norms]
+        bk = get_backend("jax")
+        unclipped = policy.unclipped_counts(bk, group_norms, bounds, mask)
+        if axis_name is not None:  # the norms are this device's; the count is global already
+            unclipped = jax.lax.psum(unclipped, axis_name)
+        new_bounds = policy.next_bounds(
+            bounds, unclipped, stats.count, count_key, expected_batch_size
+        )
+        return mean, PrivateAggregateState(
+            next_key,
+            stats.clip_fraction,
+            stats.count,
+            stats.nonfinite,
+            noise_state,
+            bounds_def.unflatten(new_bounds),
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -127,12 +211,15 @@ def dpsgd(
     momentum: float | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     noise: NoiseMechanism | None = None,
+    clipping: ClippingPolicy | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DP-SGD as one optax optimizer: :func:`optax_aggregate` then ``optax.sgd``.
 
-    ``axis_name`` and ``noise`` as for :func:`optax_aggregate`.
+    ``axis_name``, ``noise`` and ``clipping`` as for :func:`optax_aggregate`.
     """
     return optax.chain(
-        optax_aggregate(max_norm, noise_multiplier, key, expected_batch_size, axis_name, noise),
+        optax_aggregate(
+            max_norm, noise_multiplier, key, expected_batch_size, axis_name, noise, clipping
+        ),
         optax.sgd(learning_rate, momentum=momentum),
     )

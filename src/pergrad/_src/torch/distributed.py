@@ -133,8 +133,11 @@ def _structure(named: Mapping[str, torch.Tensor]) -> int:
     return zlib.crc32(layout.encode())
 
 
-def _float_bits(value: float | None) -> int:
-    """A float setting as the int64 with its bits (None as -1.0), for the int64 gather."""
+def _float_bits(value: float | str | None) -> int:
+    """A float setting as the int64 with its bits (None as -1.0), for the int64 gather; a text
+    setting (a clipping policy's repr) as its CRC."""
+    if isinstance(value, str):
+        return zlib.crc32(value.encode())
     as_float = torch.tensor(-1.0 if value is None else value, dtype=torch.float64)
     return int(as_float.view(torch.int64))
 
@@ -143,7 +146,7 @@ def check_same_across_ranks(
     func_name: str,
     group: Any,
     named_params: Mapping[str, torch.Tensor],
-    settings: Mapping[str, float | None],
+    settings: Mapping[str, float | str | None],
 ) -> None:
     """Raises unless every rank of ``group`` has the same parameters and ``settings``.
 

@@ -9,10 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from pergrad._src.backends import backend_of
 from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.core.module_loss import module_loss
 from pergrad._src.dp.accounting import Accountant, check_accountant_noise
 from pergrad._src.dp.clipping import ClippedSum, check_noise_multiplier, check_positive
+from pergrad._src.dp.clipping_policies import (
+    AdaptiveClipping,
+    ClippingPolicy,
+    check_adaptive_noise,
+    check_clipping,
+)
 from pergrad._src.dp.from_loss import clipped_sum_run
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import (
@@ -47,13 +54,17 @@ class DPStep:
     ``nonfinite``: how many examples had a gradient that was not finite (inf or nan). Without a
     scaler each was zeroed: it contributed nothing, and still counts in ``batch_size``. With a
     scaler they are the overflow that skipped the step. With ``distributed``, this process's
-    examples only."""
+    examples only.
+
+    ``max_norm``: the bound this step clipped at (under :func:`pergrad.dp.adaptive`, the one
+    :attr:`DPOptimizer.max_norm` held before the step moved it)."""
 
     clip_fraction: float
     batch_size: int
     strategy: str
     skipped: bool = False
     nonfinite: int = 0
+    max_norm: float | None = None
 
 
 class DPOptimizer:
@@ -156,6 +167,13 @@ class DPOptimizer:
       noise: the noise mechanism (None: :func:`pergrad.dp.gaussian`, independent Gaussian
         noise at every step); the optimizer keeps its state from step to step. An
         ``accountant`` must account for the same mechanism.
+      clipping: the clipping policy (None: ``min(1, max_norm / norm)``).
+        :func:`pergrad.dp.automatic` scales each gradient by ``max_norm / (norm + gamma)``.
+        :func:`pergrad.dp.adaptive` starts at ``max_norm`` and moves :attr:`max_norm` after
+        each step (kept in :meth:`state_dict`), releasing a noisy count of the examples within
+        the bound from ``generator``; the gradient's noise multiplier is raised to pay for it
+        (:attr:`gradient_noise_multiplier`), so the accountant takes ``noise_multiplier``.
+        Adaptive clipping needs independent Gaussian noise (``noise`` None).
     """
 
     def __init__(
@@ -175,6 +193,7 @@ class DPOptimizer:
         distributed: bool | torch.distributed.ProcessGroup = False,
         scaler: torch.amp.GradScaler | None = None,
         noise: NoiseMechanism | None = None,
+        clipping: ClippingPolicy | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PergradTypeError(
@@ -202,6 +221,14 @@ class DPOptimizer:
         scaler = _check_scaler(scaler, distributed)
         self.noise = check_mechanism("DPOptimizer", noise)
         check_accountant_noise("DPOptimizer", accountant, self.noise)
+        self.clipping = check_clipping("DPOptimizer", clipping)
+        #: the noise multiplier of the gradient: ``noise_multiplier``, raised under adaptive
+        #: clipping to leave room for the noisy count (the accountant takes noise_multiplier)
+        self.gradient_noise_multiplier = float(noise_multiplier)
+        if isinstance(self.clipping, AdaptiveClipping):
+            self.gradient_noise_multiplier = check_adaptive_noise(
+                "DPOptimizer", self.clipping, self.noise, float(noise_multiplier), 1
+            )
         _warn_realised_batch_size(accountant, expected_batch_size)
         self._noise_state: Any = None  # the mechanism's state, made at the first step
         self.scaler = scaler
@@ -219,6 +246,7 @@ class DPOptimizer:
         self._warned_off_ghost = False
         self._warned_nonfinite = False
         self._pending: ClippedSum | None = None  # accumulated micro-batches of this step
+        self._pending_unclipped = 0.0  # adaptive clipping: examples within the bound, this step
         self._pending_overflow = False  # some micro-batch's scaled gradients were not finite
         self._pending_strategy = "materialize"
         self.process_group = process_group_of("DPOptimizer", distributed)
@@ -230,6 +258,7 @@ class DPOptimizer:
                 {
                     "max_norm": self.max_norm,
                     "noise_multiplier": self.noise_multiplier,
+                    "clipping": repr(self.clipping),
                     "expected_batch_size": expected_batch_size,
                     "accountant.sample_rate": getattr(accountant, "sample_rate", None),
                     "accountant.noise_multiplier": getattr(accountant, "noise_multiplier", None),
@@ -261,8 +290,9 @@ class DPOptimizer:
                 "DPOptimizer.accumulate: pass one micro-batch, the model inputs then the loss "
                 "function's targets, as for step()."
             )
-        clipped, strategy, overflow = self._clipped(batch)
+        clipped, strategy, overflow, unclipped = self._clipped(batch)
         self._pending_overflow = self._pending_overflow or overflow
+        self._pending_unclipped += unclipped
         pending = self._pending
         if pending is None:
             self._pending = clipped
@@ -285,6 +315,7 @@ class DPOptimizer:
             strategy,
             overflow,
             int(clipped.nonfinite),
+            self.max_norm,
         )
 
     def step(self, *batch: Any) -> DPStep:
@@ -300,6 +331,8 @@ class DPOptimizer:
             )
         clipped, strategy = self._pending, self._pending_strategy
         overflow, self._pending, self._pending_overflow = self._pending_overflow, None, False
+        unclipped, self._pending_unclipped = self._pending_unclipped, 0.0
+        bound = self.max_norm
         if overflow:
             self._skip()
             totals = StepTotals(clipped.sum, float(clipped.count), float(clipped.clip_fraction))
@@ -308,6 +341,8 @@ class DPOptimizer:
             denominator = self.expected_batch_size or max(totals.count, 1.0)
             # in place: the totals are the step's own (a model's worth of numbers per copy)
             self._update({name: value.div_(denominator) for name, value in totals.sum.items()})
+            if isinstance(self.clipping, AdaptiveClipping):
+                self._move_bound(unclipped, totals.count)
         if self.accountant is not None:
             self.accountant.step()  # skipped or not: the batch was drawn (see the docstring)
         return DPStep(
@@ -316,7 +351,27 @@ class DPOptimizer:
             strategy=strategy,
             skipped=overflow,
             nonfinite=int(clipped.nonfinite),
+            max_norm=bound,
         )
+
+    def _move_bound(self, unclipped: float, count: float) -> None:
+        """Adaptive clipping: release this step's count of examples within the bound, noised
+        once (on rank 0 when distributed, then summed over the processes, so every process
+        moves to the same bound), and move the bound. ``count`` is already global."""
+        assert isinstance(self.clipping, AdaptiveClipping)
+        group = self.process_group
+        device = next(iter(self._loss.params().values())).device
+        local = [torch.tensor(unclipped, dtype=torch.float32, device=device)]
+        if group is None or is_noise_rank(group):
+            local = self.clipping.noisy_counts(local, self.generator)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(local[0], op=dist.ReduceOp.SUM, group=group)
+        (bound,) = self.clipping.bounds_from(
+            [self.max_norm], [float(local[0])], count, self.expected_batch_size
+        )
+        self.max_norm = float(bound)
 
     def _update(self, gradient: dict[str, torch.Tensor]) -> None:
         """Write the private gradient to ``.grad`` and step: through the scaler, which gets
@@ -365,11 +420,18 @@ class DPOptimizer:
             max_norm=self.max_norm * scale,
             strategy=self.strategy,
             chunk_size=self.chunk_size,
+            clipping=self.clipping.rescaled(scale),
         )
         self._warn_off_ghost(choice)
+        unclipped: Any = 0.0
+        if isinstance(self.clipping, AdaptiveClipping):
+            bk = backend_of(clipped.norms, "DPOptimizer", "norms")
+            (unclipped,) = self.clipping.unclipped_counts(
+                bk, [clipped.norms], [self.max_norm * scale], None
+            )
         # The step's statistics, read from the device at once (one host sync, not one each).
-        clip_fraction, count, nonfinite = host_numbers(
-            clipped.clip_fraction, clipped.count, clipped.nonfinite
+        clip_fraction, count, nonfinite, unclipped = host_numbers(
+            clipped.clip_fraction, clipped.count, clipped.nonfinite, unclipped
         )
         clipped = clipped._replace(clip_fraction=clip_fraction, count=count, nonfinite=nonfinite)
         if nonfinite and self._scaled_loss is None:
@@ -380,7 +442,7 @@ class DPOptimizer:
                 norms=clipped.norms / scale,
                 sensitivity=self.max_norm,
             )
-        return clipped, ran, nonfinite > 0 and self._scaled_loss is not None
+        return clipped, ran, nonfinite > 0 and self._scaled_loss is not None, unclipped
 
     def _warn_nonfinite(self, nonfinite: int, batch_size: int) -> None:
         """Once per optimizer: a step zeroed examples whose gradient was not finite."""
@@ -421,7 +483,7 @@ class DPOptimizer:
         """The clipped sum plus the step's one noise draw; across processes, summed over them
         with the noise drawn on rank 0 only."""
         group = self.process_group
-        std = self.noise_multiplier * self.max_norm
+        std = self.gradient_noise_multiplier * self.max_norm
         if group is None or is_noise_rank(group):
             if self._noise_state is None:
                 self._noise_state = self.noise.init(clipped.sum)
@@ -438,10 +500,23 @@ class DPOptimizer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state dict; under adaptive clipping with the current bound
+        under the key ``"pergrad_max_norm"``."""
+        state = self.optimizer.state_dict()
+        if isinstance(self.clipping, AdaptiveClipping):
+            state = {**state, _MAX_NORM_KEY: self.max_norm}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if _MAX_NORM_KEY in state:
+            state = dict(state)
+            self.max_norm = check_positive(
+                "DPOptimizer.load_state_dict", _MAX_NORM_KEY, state.pop(_MAX_NORM_KEY)
+            )
         self.optimizer.load_state_dict(state)
+
+
+_MAX_NORM_KEY = "pergrad_max_norm"
 
 
 def _warn_realised_batch_size(accountant: Any, expected_batch_size: Any) -> None:

@@ -10,6 +10,9 @@ for x, y in loader:          # x: (batch_size, ...), batch_size varies and may b
 
 Across processes, each one passes ``num_replicas=world_size, rank=rank`` and gets its own shard
 of every batch; the union of the shards is the Poisson batch.
+
+``CyclicPoissonBatchSampler`` draws the cyclic Poisson batches that a banded mechanism made with
+``sample_rate`` is accounted for (:mod:`pergrad._src.dp.cyclic`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from torch.utils.data import Sampler
 from torch.utils.data.dataloader import default_collate
 
 from pergrad._src.dp.accounting import check_count, check_sample_rate
+from pergrad._src.dp.cyclic import group_members, resolve_cyclic_sampling
+from pergrad._src.dp.noise import NoiseMechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 
@@ -77,21 +82,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
         self.sample_rate = check_sample_rate(fn, sample_rate)
         self.steps = check_count(fn, "steps", steps, minimum=0)
-        self.num_replicas = check_count(fn, "num_replicas", num_replicas, minimum=1)
-        self.rank = check_count(fn, "rank", rank, minimum=0)
-        if self.rank >= self.num_replicas:
-            raise PergradValueError(
-                f"{fn}: rank must be in [0, num_replicas={self.num_replicas}) (this process's "
-                f"shard), got {rank!r}."
-            )
-        if generator is None:
-            generator = torch.Generator().manual_seed(secrets.randbits(64))
-        elif not isinstance(generator, torch.Generator):
-            raise PergradTypeError(
-                f"{fn}: generator must be a torch.Generator or None (securely seeded), got "
-                f"{type(generator).__name__}."
-            )
-        self.generator = generator
+        self.num_replicas, self.rank = _check_shard(fn, num_replicas, rank)
+        self.generator = _check_generator(fn, generator)
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
@@ -111,6 +103,129 @@ class PoissonBatchSampler(Sampler[list[int]]):
             f"PoissonBatchSampler(num_examples={self.num_examples}, "
             f"sample_rate={self.sample_rate:g}, steps={self.steps}{shard})"
         )
+
+
+class CyclicPoissonBatchSampler(Sampler[list[int]]):
+    """Yields cyclic Poisson batches of indices, for ``DataLoader(batch_sampler=)``: the
+    sampling that a banded mechanism made with ``sample_rate`` is accounted for.
+
+    Example::
+
+        mech = pergrad.dp.toeplitz([1.0, 0.5], steps=1000, min_separation=4, sample_rate=0.02)
+        sampler = CyclicPoissonBatchSampler(len(dataset), noise=mech)   # 1000 batches
+        loader = DataLoader(dataset, batch_sampler=sampler,
+                            collate_fn=collate_with_empty_batches(dataset))
+        opt = pergrad.dp.DPOptimizer(..., noise=mech,
+                                     expected_batch_size=sampler.expected_batch_size)
+
+    The examples are split at random into ``min_separation`` groups when the sampler is made
+    (each example's group uniform and independent, drawn from ``generator``); batch ``t`` holds
+    each example of group ``t % min_separation`` independently with probability
+    ``sample_rate`` (the sampling of :func:`pergrad.dp.cyclic_poisson_batches`). Batch sizes
+    vary, mean :attr:`expected_batch_size`, and a batch may be empty (``[]``, yielded, not
+    skipped). Each step draws one uniform number per member of its group.
+
+    ``len(sampler) == steps``. Iterating again continues the same run: the groups stay and
+    the cycle goes on from the step the last pass stopped at, so an example's steps stay
+    ``min_separation`` apart across passes (a mechanism made for ``E * steps`` steps covers
+    ``E`` passes). Do not drop batches the sampler yielded: the cycle counts them.
+
+    **Across processes**: as for ``PoissonBatchSampler``, every process passes
+    ``num_replicas`` and its ``rank`` and keeps the included examples ``i`` with ``i %
+    num_replicas == rank``; the union of the shards is the cyclic Poisson batch (each example
+    drawn by its own rank's groups and coins, whether the generators are seeded alike or not;
+    seeded alike, exactly the batch of ``num_replicas=1``).
+
+    Args:
+      num_examples: dataset size, an int ``>= 1``.
+      sample_rate: the inclusion probability within the step's group, in ``(0, 1]``.
+      min_separation: the number of groups, an int ``>= 1``.
+      steps: batches per pass over the sampler, an int ``>= 0``.
+      generator: a ``torch.Generator``, or ``None`` (default) for one seeded from the
+        operating system's secure source (see ``PoissonBatchSampler``).
+      noise: a mechanism made with ``sample_rate`` (:func:`pergrad.dp.toeplitz`), whose
+        ``sample_rate``, ``min_separation`` and ``steps`` are then taken (the arguments
+        above may be left out; given, they must agree).
+      num_replicas, rank: as for ``PoissonBatchSampler``.
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        sample_rate: float | None = None,
+        min_separation: int | None = None,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        noise: NoiseMechanism | None = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__()
+        fn = "CyclicPoissonBatchSampler"
+        self.num_examples = check_count(fn, "num_examples", num_examples, minimum=1)
+        self.sample_rate, self.min_separation, self.steps = resolve_cyclic_sampling(
+            fn, sample_rate, min_separation, steps, noise
+        )
+        self.num_replicas, self.rank = _check_shard(fn, num_replicas, rank)
+        self.generator = _check_generator(fn, generator)
+        groups = torch.randint(
+            self.min_separation, (self.num_examples,), generator=self.generator
+        ).numpy()
+        self._members = [
+            torch.from_numpy(members) for members in group_members(groups, self.min_separation)
+        ]
+        self._next_step = 0
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The mean size of a whole batch (all shards), ``num_examples * sample_rate /
+        min_separation``: pass it to ``DPOptimizer(expected_batch_size=)``."""
+        return self.num_examples * self.sample_rate / self.min_separation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            members = self._members[self._next_step % self.min_separation]
+            self._next_step += 1
+            draws = torch.rand(members.numel(), generator=self.generator)
+            included = members[draws < self.sample_rate]
+            if self.num_replicas > 1:
+                included = included[included % self.num_replicas == self.rank]
+            yield included.tolist()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __repr__(self) -> str:
+        shard = f", num_replicas={self.num_replicas}, rank={self.rank}"
+        shard = shard if self.num_replicas > 1 else ""
+        return (
+            f"CyclicPoissonBatchSampler(num_examples={self.num_examples}, "
+            f"sample_rate={self.sample_rate:g}, min_separation={self.min_separation}, "
+            f"steps={self.steps}{shard})"
+        )
+
+
+def _check_shard(fn: str, num_replicas: Any, rank: Any) -> tuple[int, int]:
+    num_replicas = check_count(fn, "num_replicas", num_replicas, minimum=1)
+    rank = check_count(fn, "rank", rank, minimum=0)
+    if rank >= num_replicas:
+        raise PergradValueError(
+            f"{fn}: rank must be in [0, num_replicas={num_replicas}) (this process's shard), "
+            f"got {rank!r}."
+        )
+    return num_replicas, rank
+
+
+def _check_generator(fn: str, generator: Any) -> torch.Generator:
+    if generator is None:
+        return torch.Generator().manual_seed(secrets.randbits(64))
+    if not isinstance(generator, torch.Generator):
+        raise PergradTypeError(
+            f"{fn}: generator must be a torch.Generator or None (securely seeded), got "
+            f"{type(generator).__name__}."
+        )
+    return generator
 
 
 def collate_with_empty_batches(
