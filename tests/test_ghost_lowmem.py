@@ -105,7 +105,7 @@ def test_first_and_later_calls_equal_the_loop():
         assert 0 < float(got.clip_fraction) < 1, call
         for name, value in want.items():
             assert_close(got.sum[name], value)
-    assert len(loss.ghost_checked) == 1  # the first call checked the layout, once
+    assert len(loss.checked_layouts) == 1  # the first call checked the layout, once
 
 
 def test_norms_alone_equal_the_loop_and_keep_no_graph():

@@ -114,6 +114,18 @@ def layout_key(params: Iterable[str], arguments: Iterable[Any]) -> tuple[Any, ..
     return (frozenset(params), shapes)
 
 
+def is_checked(loss: Any, schedule: str, key: tuple[Any, ...]) -> bool:
+    """Whether ``schedule`` (``"ghost"``, ``"hooks"``) has checked layout ``key`` of ``loss``
+    (a :func:`pergrad.module_loss`): the one place where checked layouts are remembered, on
+    the loss, so every wrapper of the same model shares them."""
+    return (schedule, key) in loss.checked_layouts
+
+
+def mark_checked(loss: Any, schedule: str, key: tuple[Any, ...]) -> None:
+    """Remember that ``schedule``'s first-call checks of layout ``key`` passed."""
+    loss.checked_layouts.add((schedule, key))
+
+
 def row_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:
     """``(B,)`` weights from 1 down to 1/1000 (1/16 below float32), geometrically spaced. At
     most 1, so the weighted pass cannot overflow where the plain one did not (float16 records

@@ -60,7 +60,7 @@ def capture(
     (``torch_verify.weighted_run``), so that no backward pass retains its graph."""
     session = forward(spec, call, loss, layers)
     key = torch_checks.layout_key(session.params, [x for xs in call.leaves[1:] for x in xs])
-    checked = key in loss.ghost_checked
+    checked = torch_checks.is_checked(loss, "ghost", key)
     weighted = None
     if not (checked or retain) and call.batch_size > 1:  # (one example: every row is its own)
         weighted = torch_verify.weighted_run(session)
@@ -91,7 +91,7 @@ def capture(
         if checking:
             assert batch is not None
             torch_verify.check_batch_gradient(session, batch.squared_norms, batch.kept)
-            loss.ghost_checked.add(key)
+            torch_checks.mark_checked(loss, "ghost", key)
     session.release(keep_graph=retain)
     return session
 
@@ -223,7 +223,7 @@ def second_pass(
     torch_quantities.add_formed_sums(session, groups, sums)
     if session.pending_key is not None:
         torch_verify.check_batch_gradients(session, batch_grads)
-        loss.ghost_checked.add(session.pending_key)
+        torch_checks.mark_checked(loss, "ghost", session.pending_key)
     return torch_quantities.zeros_where_unreached(sums, session.diff)
 
 

@@ -66,8 +66,6 @@ class Spec:
     returns_losses: bool = True
     # What "auto" settled on after a failure ("hooks" or "loop"): later calls go there directly.
     resolved: str | None = field(default=None)
-    # Layouts (torch_checks.layout_key) whose first-call checks the hooks strategy has done.
-    hooks_checked: set[Any] = field(default_factory=set, repr=False, compare=False)
     last_strategy: str | None = field(default=None)
     # Why the last call ran last_strategy, and why "auto" settled on `resolved` (the registry).
     last_reason: str | None = field(default=None)

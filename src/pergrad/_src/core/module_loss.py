@@ -29,9 +29,9 @@ class ModuleLoss:
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
-        # Layouts (capture/torch_checks.layout_key) whose first ghost run was checked (see
-        # capture/torch_passes.py): later runs skip the weight gradients and the checks.
-        self.ghost_checked: set[Any] = set()
+        # (schedule, layout) pairs whose first-call checks passed (capture/torch_checks.py:
+        # is_checked / mark_checked; the ghost and hooks schedules): later runs skip them.
+        self.checked_layouts: set[tuple[str, Any]] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters (``requires_grad``), detached: they share storage with the

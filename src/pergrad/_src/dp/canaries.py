@@ -34,11 +34,11 @@ from pergrad._src.backends import backend_of
 from pergrad._src.dp.accounting import check_count, check_sample_rate
 from pergrad._src.dp.accounting import epsilon as accountant_epsilon
 from pergrad._src.dp.audit import (
-    auroc,
     epsilon_lower_bound,
     epsilon_lower_bound_ceiling,
     score_array,
 )
+from pergrad._src.dp.audit_many_runs import auroc
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 # Streams of the user's seed: the coins, the directions (or labels), the per-step sampling.

@@ -20,7 +20,6 @@ after the last saved state are cut off when the store is resumed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -37,21 +36,28 @@ from pergrad._src.influence.streaming import TopK, merge_top_k, top_k_from_score
 from pergrad._src.influence.trak import (
     MAX_MATRIX_NUMBERS,
     ModelFeaturizer,
-    TrakOptions,
     check_checkpoints,
     check_dampings,
     eigh_psd,
     solve_eigh,
 )
+from pergrad._src.influence.trak_files import (
+    DISK_DTYPE,
+    FORMAT,
+    META,
+    SAVE_SECONDS,
+    atomic_write,
+    fingerprint,
+    memmap,
+    read_meta,
+    read_state,
+    resolve_options,
+    store_file,
+    to_disk,
+    truncate,
+    write_state,
+)
 
-FORMAT = "pergrad.trak/1"
-META, STATE = "trak.json", "state.npz"
-DISK_DTYPE = np.dtype("<f4")
-# The state (Gram matrices and the count of examples) is saved at least this often while
-# featurising, and whenever featurize returns or raises.
-SAVE_SECONDS = 60.0
-# Numbers of a fingerprint's sample of each checkpoint's flat parameters.
-FINGERPRINT_NUMBERS = 2**16
 # Stored rows scored at once by default: rows * D <= this (float64: 32 MB per model).
 DEFAULT_ROW_NUMBERS = 2**22
 
@@ -134,7 +140,7 @@ class TRAK:
             check_fn(name, weight_fn, "weight_fn")
         self.path = Path(path)
         self.weight_fn = weight_fn
-        self._meta = _read_meta(self.path)
+        self._meta = read_meta(self.path)
         given = {
             "proj_dim": proj_dim,
             "seed": seed,
@@ -142,14 +148,14 @@ class TRAK:
             "projection": projection,
             "factored_dims": tuple(factored_dims) if factored_dims is not None else None,
         }
-        self.options = _resolve_options(name, self.path, self._meta, given)
+        self.options = resolve_options(name, self.path, self._meta, given)
         # the models' projection matrices are kept while they fit MAX_MATRIX_NUMBERS together
         budget = MAX_MATRIX_NUMBERS // len(checkpoints)
         self._models = [
             ModelFeaturizer(name, fn, params, index, self.options, chunk_size, budget)
             for index, params in enumerate(checkpoints)
         ]
-        self._fingerprints = [_fingerprint(model) for model in self._models]
+        self._fingerprints = [fingerprint(model) for model in self._models]
         if self._meta is not None:
             self._check_models()
         self._eighs: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
@@ -160,32 +166,32 @@ class TRAK:
     @property
     def num_train(self) -> int:
         """Training examples stored (0 before :meth:`featurize`)."""
-        return _read_state(self.path)["num_written"]
+        return read_state(self.path)["num_written"]
 
     @property
     def complete(self) -> bool:
         """Whether the last :meth:`featurize` read its stream to the end."""
-        return _read_state(self.path)["complete"]
+        return read_state(self.path)["complete"]
 
     @property
     def feature_dim(self) -> int:
         """``D``, the columns of each model's features (``proj_dim`` for the dense projection;
         0 before :meth:`featurize`)."""
-        return _read_state(self.path)["feature_dim"]
+        return read_state(self.path)["feature_dim"]
 
     def features(self, model: int = 0) -> np.ndarray:
         """Model ``model``'s stored features ``Phi_m``, a read-only ``(num_train, D)`` float32
         ``np.memmap`` (row ``i``: the ``i``-th example streamed)."""
-        state = _read_state(self.path)
-        return _memmap(self.path, "features", self._index(model), state, state["feature_dim"])
+        state = read_state(self.path)
+        return memmap(self.path, "features", self._index(model), state, state["feature_dim"])
 
     def weights(self, model: int = 0) -> np.ndarray | None:
         """Model ``model``'s stored ``Q`` ``(num_train,)`` float32, or None without
         ``weight_fn``."""
         if not self._meta_or_raise("weights")["weighted"]:
             return None
-        state = _read_state(self.path)
-        return _memmap(self.path, "weights", self._index(model), state, None)
+        state = read_state(self.path)
+        return memmap(self.path, "weights", self._index(model), state, None)
 
     # ----------------------------------------------------------------------------------------
     # Featurisation.
@@ -326,9 +332,9 @@ class TRAK:
                 f"{name}: chunk_rows must be a positive int or None; got {chunk_rows!r}."
             )
         count = len(self._models)
-        features = [_memmap(self.path, "features", m, state, dim) for m in range(count)]
+        features = [memmap(self.path, "features", m, state, dim) for m in range(count)]
         weighted = self._meta["weighted"]
-        weights = [_memmap(self.path, "weights", m, state, None) for m in range(count) if weighted]
+        weights = [memmap(self.path, "weights", m, state, None) for m in range(count) if weighted]
         for start in range(0, total, chunk_rows):
             stop = min(start + chunk_rows, total)
             block = sum(
@@ -362,7 +368,7 @@ class TRAK:
 
     def _readable_state(self, name: str) -> dict[str, Any]:
         self._meta_or_raise(name.split(".")[-1])
-        state = _read_state(self.path, grams=True)
+        state = read_state(self.path, grams=True)
         if state["num_written"] == 0 or not state["complete"]:
             raise PergradValueError(
                 f"{name}: the features at {self.path} are incomplete ({state['num_written']} "
@@ -380,14 +386,14 @@ class TRAK:
                 f"got {len(self._models)}. Pass the same checkpoints in the same order (or "
                 f"use another path for a new store)."
             )
-        for index, (entry, fingerprint) in enumerate(zip(stored, self._fingerprints)):
-            if entry != fingerprint:
+        for index, (entry, expected) in enumerate(zip(stored, self._fingerprints)):
+            if entry != expected:
                 raise PergradValueError(
                     f"TRAK: checkpoints[{index}] is not the model whose features are stored at "
                     f"{self.path} (stored: {entry['num_parameters']} parameters, "
                     f"{entry['dtype']}, fingerprint {entry['sample_hash'][:12]}; got "
-                    f"{fingerprint['num_parameters']}, {fingerprint['dtype']}, fingerprint "
-                    f"{fingerprint['sample_hash'][:12]}). Pass the same checkpoints in the "
+                    f"{expected['num_parameters']}, {expected['dtype']}, fingerprint "
+                    f"{expected['sample_hash'][:12]}). Pass the same checkpoints in the "
                     f"same order, with their parameters flattened in the same order."
                 )
 
@@ -408,7 +414,7 @@ class TRAK:
             "disk_dtype": DISK_DTYPE.str,
             "models": self._fingerprints,
         }
-        _atomic_write(self.path / META, json.dumps(self._meta, indent=2).encode())
+        atomic_write(self.path / META, json.dumps(self._meta, indent=2).encode())
 
 
 class _Writer:
@@ -423,10 +429,10 @@ class _Writer:
         self.complete = False
         self.saved_at = time.monotonic()
         count = len(trak._models)
-        self.files = [open(_file(trak.path, "features", m), "ab") for m in range(count)]  # noqa: SIM115
+        self.files = [open(store_file(trak.path, "features", m), "ab") for m in range(count)]  # noqa: SIM115
         weighted = trak._meta["weighted"]
         self.weight_files = [
-            open(_file(trak.path, "weights", m), "ab")  # noqa: SIM115
+            open(store_file(trak.path, "weights", m), "ab")  # noqa: SIM115
             for m in range(count)
             if weighted
         ]
@@ -439,8 +445,8 @@ class _Writer:
             kinds = ("features", "weights") if trak._meta["weighted"] else ("features",)
             for kind in kinds:
                 for m in range(count):
-                    _file(trak.path, kind, m).write_bytes(b"")
-            _write_state(trak.path, {"num_written": 0, "complete": False, "grams": None})
+                    store_file(trak.path, kind, m).write_bytes(b"")
+            write_state(trak.path, {"num_written": 0, "complete": False, "grams": None})
         else:
             weighted = trak._meta["weighted"]
             if weighted != (trak.weight_fn is not None):
@@ -450,7 +456,7 @@ class _Writer:
                     f"{'the same weight_fn' if weighted else 'no weight_fn'} to TRAK to add "
                     f"to them."
                 )
-        state = _read_state(trak.path, grams=True)
+        state = read_state(trak.path, grams=True)
         if state["num_written"] and not resume:
             status = "complete" if state["complete"] else "interrupted"
             raise PergradValueError(
@@ -459,7 +465,7 @@ class _Writer:
                 f"first {state['num_written']} examples are skipped) or to add examples after "
                 f"them, or use another path."
             )
-        _truncate(trak.path, count, state)
+        truncate(trak.path, count, state)
         return cls(name, trak, state)
 
     def add(self, batch: Any) -> None:
@@ -474,9 +480,9 @@ class _Writer:
                 count - self.skip,
             )
             self.skip = 0
-        rows = [_to_disk(m, m.features(batch, count)) for m in models]
+        rows = [to_disk(m, m.features(batch, count)) for m in models]
         weight_fn = self.trak.weight_fn
-        weights = [_to_disk(m, m.weights(weight_fn, batch, count)) for m in models if weight_fn]
+        weights = [to_disk(m, m.weights(weight_fn, batch, count)) for m in models if weight_fn]
         self._check_dim(rows[0].shape[1])
         if self.grams is None:
             self.grams = np.zeros((len(models), self.dim, self.dim))
@@ -515,7 +521,7 @@ class _Writer:
             file.flush()
             os.fsync(file.fileno())
         state = {"num_written": self.num_written, "complete": self.complete, "grams": self.grams}
-        _write_state(self.trak.path, state)
+        write_state(self.trak.path, state)
         self.saved_at = time.monotonic()
 
     def close(self) -> None:
@@ -524,126 +530,3 @@ class _Writer:
         finally:
             for file in self.files + self.weight_files:
                 file.close()
-
-
-def _to_disk(model: ModelFeaturizer, values: Any) -> np.ndarray:
-    return np.ascontiguousarray(model.backend.to_numpy(values), dtype=DISK_DTYPE)
-
-
-def _resolve_options(
-    name: str, path: Path, meta: dict[str, Any] | None, given: dict[str, Any]
-) -> TrakOptions:
-    """The options given, the stored ones where not given, the defaults for a new store."""
-    defaults = TrakOptions()
-    explicit = TrakOptions(
-        **{key: getattr(defaults, key) if value is None else value for key, value in given.items()}
-    )
-    explicit.check(name)
-    if meta is None:
-        return explicit
-    stored = dict(meta["options"], factored_dims=tuple(meta["options"]["factored_dims"]))
-    for key, value in given.items():
-        if value is not None and value != stored[key]:
-            raise PergradValueError(
-                f"{name}: {key}={value!r} but the features at {path} were made with "
-                f"{key}={stored[key]!r}; leave {key} out to use them, or use another path."
-            )
-    return TrakOptions(**stored)
-
-
-def _fingerprint(model: ModelFeaturizer) -> dict[str, Any]:
-    """A cheap identity of a model: its size, dtype and a hash of an even sample of its flat
-    parameters (the flattening order included, which also orders the projection's rows)."""
-    vector = model.output.flat.vector
-    size = model.output.flat.size
-    stride = max(1, size // FINGERPRINT_NUMBERS)
-    sample = np.ascontiguousarray(model.backend.to_numpy(vector[::stride]))
-    return {
-        "num_parameters": size,
-        "dtype": str(sample.dtype),
-        "sample_hash": hashlib.blake2b(sample.tobytes(), digest_size=16).hexdigest(),
-    }
-
-
-def _file(path: Path, kind: str, model: int) -> Path:
-    return path / f"{kind}_{model}.f32"
-
-
-def _memmap(
-    path: Path, kind: str, model: int, state: dict[str, Any], dim: int | None
-) -> np.ndarray:
-    shape = (state["num_written"],) if dim is None else (state["num_written"], dim)
-    if state["num_written"] == 0:
-        return np.zeros(shape if dim else (0,), DISK_DTYPE)
-    return np.memmap(_file(path, kind, model), dtype=DISK_DTYPE, mode="r", shape=shape)
-
-
-def _truncate(path: Path, count: int, state: dict[str, Any]) -> None:
-    """Cut each file to the rows the saved state counts (a killed run may have written more)."""
-    rows = state["num_written"]
-    for kind, width in (("features", state["feature_dim"]), ("weights", 1)):
-        for model in range(count):
-            file = _file(path, kind, model)
-            if not file.exists():
-                continue
-            expected = rows * width * DISK_DTYPE.itemsize
-            size = file.stat().st_size
-            if size < expected:
-                raise PergradValueError(
-                    f"TRAK.featurize: {file} holds {size} bytes, fewer than the {expected} its "
-                    f"{rows} saved examples need; the store is damaged, featurize into a new "
-                    f"path."
-                )
-            if size > expected:
-                os.truncate(file, expected)
-
-
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    file = path / META
-    if not file.exists():
-        return None
-    meta = json.loads(file.read_text())
-    if meta.get("format") != FORMAT:
-        raise PergradValueError(
-            f"TRAK: {file} is not a pergrad TRAK store of format {FORMAT!r} (its format: "
-            f"{meta.get('format')!r})."
-        )
-    return meta
-
-
-def _read_state(path: Path, grams: bool = False) -> dict[str, Any]:
-    """The saved state: ``num_written``, ``complete``, ``feature_dim`` (0 before the first
-    batch) and, if asked, ``grams`` ``(models, D, D)`` float64 (None before the first batch)."""
-    file = path / STATE
-    if not file.exists():
-        return {"num_written": 0, "complete": False, "feature_dim": 0, "grams": None}
-    with np.load(file) as data:
-        dim = int(data["feature_dim"])
-        return {
-            "num_written": int(data["num_written"]),
-            "complete": bool(data["complete"]),
-            "feature_dim": dim,
-            "grams": data["grams"] if grams and dim else None,
-        }
-
-
-def _write_state(path: Path, state: dict[str, Any]) -> None:
-    grams = state["grams"] if state["grams"] is not None else np.zeros((0, 0, 0))
-    temporary = path / (STATE + ".tmp")
-    with open(temporary, "wb") as file:
-        np.savez(
-            file,
-            num_written=state["num_written"],
-            complete=state["complete"],
-            feature_dim=grams.shape[1],
-            grams=grams,
-        )
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path / STATE)
-
-
-def _atomic_write(file: Path, data: bytes) -> None:
-    temporary = file.with_name(file.name + ".tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, file)

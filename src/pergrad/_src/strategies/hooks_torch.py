@@ -152,7 +152,7 @@ def value_and_grads(
     key = torch_checks.layout_key(
         hooks_plan.owners, [x for leaves in call.leaves[1:] for x in leaves]
     )
-    verify = key not in spec.hooks_checked
+    verify = not torch_checks.is_checked(loss, "hooks", key)
     chunk = spec.chunk_size or batch_size
     results = []
     for start in range(0, batch_size, chunk):
@@ -164,7 +164,7 @@ def value_and_grads(
     if verify and _check_examples_independent(
         spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
     ):
-        spec.hooks_checked.add(key)
+        torch_checks.mark_checked(loss, "hooks", key)
     return losses, grads
 
 
