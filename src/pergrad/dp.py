@@ -30,6 +30,9 @@ The framework-free pieces (``clip``, ``clipped_sum``, ``add_noise``, ``private_m
 per-example gradients of either framework. ``optax_aggregate`` / ``dpsgd`` need JAX and optax,
 ``DPOptimizer`` needs PyTorch; they are imported when first used.
 
+Parameters too big for one JAX device: ``shard_params`` splits them over a mesh axis
+(FSDP-style); the jitted ghost step runs unchanged and its gradient comes out sharded alike.
+
 Several JAX devices: ``shard_batch`` splits a batch over a mesh for ``jax.jit`` (clipping then
 happens where the examples live; only the summed gradient crosses devices); inside
 ``jax.shard_map`` pass ``axis_name=`` to ``clipped_sum`` / ``optax_aggregate`` or call
@@ -65,6 +68,7 @@ _LAZY = {
     "PrivateAggregateState": "pergrad._src.jax.optax",
     "psum_clipped": "pergrad._src.dp.psum",
     "shard_batch": "pergrad._src.jax.sharding",
+    "shard_params": "pergrad._src.jax.sharding",
     "DPOptimizer": "pergrad._src.torch.dp_optimizer",
     "DPStep": "pergrad._src.torch.dp_optimizer",
     "DPTrainer": "pergrad._src.torch.hf_trainer",

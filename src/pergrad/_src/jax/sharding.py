@@ -21,6 +21,14 @@ Two ways to run a DP-SGD step (or per-example norms) over several devices:
    summed.
 
 ``examples/sharded_dp_jax.py`` shows both.
+
+Parameters too big for one device: :func:`shard_params` splits each parameter over a second
+mesh axis (FSDP-style, ``NamedSharding``), the batch over the first. Under ``jax.jit`` the
+ghost step (:func:`pergrad.dp.private_grad_of`, :func:`pergrad.dp.clipped_sum_of`) then runs
+as it is: each device keeps ``1/N`` of every parameter, XLA gathers a layer's weights where
+the layer runs (as for the plain step), the per-example norms come from the layers' inputs and
+output cotangents, and the clipped sum and its noise come out sharded like the parameters (the
+noise, from a partitionable key, equals the one-device noise).
 """
 
 from __future__ import annotations
@@ -62,29 +70,76 @@ def shard_batch(batch: Any, mesh: jax.sharding.Mesh, axis_name: str = "batch") -
         disagree on ``B``.
     """
     name = "shard_batch"
+    check_auto_axis(name, mesh, axis_name)
+    batch_size = _batch_size(name, batch)
+    check_divisible(name, batch_size, mesh.shape[axis_name], axis_name)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+    return jax.device_put(batch, sharding)
+
+
+def shard_params(params: Any, mesh: jax.sharding.Mesh, axis_name: str = "model") -> Any:
+    """Place parameters on ``mesh``, each split over ``axis_name`` (FSDP-style sharding).
+
+    Every array leaf is split along its largest axis whose size is a multiple of the mesh
+    axis's, and replicated where it has none (a bias of odd size, a scalar): each device then
+    holds about ``1/N`` of the parameters. Use it with :func:`shard_batch` over another axis
+    of the same mesh and call the jitted DP step as usual; its gradient (clipped sum and noise
+    included) comes out with the parameters' sharding.
+
+    Example::
+
+        mesh = jax.make_mesh((2, 4), ("batch", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        params = pergrad.dp.shard_params(params, mesh)            # each leaf split 4 ways
+        x, y = pergrad.dp.shard_batch((x, y), mesh)                # examples split 2 ways
+        grad, stats = jax.jit(step)(params, x, y, key)            # step: private_grad_of(...)
+
+    Args:
+      params: a pytree of arrays (JAX or numpy).
+      mesh: a ``jax.sharding.Mesh`` whose ``axis_name`` axis is ``AxisType.Auto``.
+      axis_name: the mesh axis to split the parameters over.
+
+    Returns:
+      The same pytree of ``jax.Array``, sharded. Costs one host-to-device copy.
+    """
+    name = "shard_params"
+    check_auto_axis(name, mesh, axis_name)
+    size = mesh.shape[axis_name]
+
+    def place(leaf: Any) -> Any:
+        shape = jnp.shape(leaf)
+        spec: list[str | None] = [None] * len(shape)
+        for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+            if shape[axis] % size == 0:
+                spec[axis] = axis_name
+                break
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree.map(place, params)
+
+
+def check_auto_axis(func_name: str, mesh: Any, axis_name: str) -> None:
+    """``mesh`` is a Mesh with an automatic axis ``axis_name``; raise otherwise."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise PergradTypeError(
-            f"{name}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((4,), ('batch',))); "
-            f"got {type(mesh).__name__}."
+            f"{func_name}: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((4,), "
+            f"('batch',))); got {type(mesh).__name__}."
         )
     if axis_name not in mesh.axis_names:
         raise PergradValueError(
-            f"{name}: axis_name {axis_name!r} is not an axis of the mesh, whose axes are "
+            f"{func_name}: axis_name {axis_name!r} is not an axis of the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}."
         )
     axis_type = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name]
     if axis_type == jax.sharding.AxisType.Explicit:
         raise PergradValueError(
-            f"{name}: mesh axis {axis_name!r} has AxisType.Explicit (jax.make_mesh's default), "
-            f"under which JAX refuses the sum over examples that DP-SGD needs without an "
-            f"explicit output sharding. Make the mesh with automatic axes: "
+            f"{func_name}: mesh axis {axis_name!r} has AxisType.Explicit (jax.make_mesh's "
+            f"default), under which JAX refuses the sum over examples that DP-SGD needs without "
+            f"an explicit output sharding. Make the mesh with automatic axes: "
             f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * "
             f"len(names)), or write the step inside jax.shard_map with axis_name=."
         )
-    batch_size = _batch_size(name, batch)
-    check_divisible(name, batch_size, mesh.shape[axis_name], axis_name)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
-    return jax.device_put(batch, sharding)
 
 
 def _batch_size(func_name: str, batch: Any) -> int:
