@@ -42,6 +42,7 @@ from pergrad._src.influence.kfac import EKFAC, KFAC
 from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.metagradient import Metagradient, adam, metagradient, replay, sgd
+from pergrad._src.influence.outputs import classification_margin, classification_weight
 from pergrad._src.influence.projection import project
 from pergrad._src.influence.protocol import Estimator, Solver, Task
 from pergrad._src.influence.scores import (
@@ -77,6 +78,8 @@ __all__ = [
     "TopK",
     "adam",
     "all_gather_top_k",
+    "classification_margin",
+    "classification_weight",
     "grad_cosine",
     "grad_dot",
     "influence_function",

@@ -352,14 +352,14 @@ def trak(
     Example (classification)::
 
         def margin(params, x, y):
-            logits = model(params, x)
-            return logits[y] - jax.nn.logsumexp(jnp.where(jnp.arange(10) == y, -jnp.inf, logits))
-
-        def weight(params, x, y):
-            return 1 - jax.nn.softmax(model(params, x))[y]
+            return pergrad.influence.classification_margin(model(params, x), y)
 
         scores = pergrad.influence.trak(margin, [params_1, params_2, ...], (X_train, Y_train),
-                                        (X_test, Y_test), weight_fn=weight)
+                                        (X_test, Y_test), damping=[1.0, 10.0, 100.0])
+
+    On a well-fit model leave ``weight_fn`` out and damp on the kernel's scale: ``1 - p_y``
+    (:func:`classification_weight`) hands every target's proponents to the few examples the
+    model gets wrong (the influence guide has the measurement).
 
     Cost per model: per-example gradients of both sides, ``n x P x k`` for the projection, and
     a ``min(n_train, k)``-sized symmetric solve (in float64, on the host). For a training set
