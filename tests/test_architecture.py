@@ -106,7 +106,7 @@ LAYERS = (
     ("capture",),
     ("strategies",),
     ("api",),
-    ("dp", "outliers"),
+    ("dp", "outliers", "monitor"),
     ("influence",),
     ("jax", "torch"),
 )

@@ -36,9 +36,8 @@ PUBLIC_MODULES = [
 # The extras a block may need; without one, its blocks are skipped rather than failed.
 OPTIONAL = {"jax", "torch", "optax", "matplotlib", "dp_accounting", "scipy"}
 README_COMMANDS = [
-    "bash scripts/setup.sh",
-    ".venv/bin/python examples/quickstart.py",
-    ".venv/bin/python -m pytest",
+    "bash scripts/dev.sh quickstart",
+    "bash scripts/dev.sh test",
 ]
 
 

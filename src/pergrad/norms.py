@@ -4,6 +4,9 @@
     print(pergrad.norms.summarize(norms, threshold=1.0))     # NormSummary(n=64, mean=..., ...)
     pergrad.norms.noise_scale(grads).b_simple                # McCandlish et al. (2018)
 
+Over training, ``TrainingMonitor`` keeps a running noise scale (never ``inf``) and per-step
+norm quantiles and clipped fractions; ``pergrad.plotting.training_curves`` plots them.
+
 ``per_example_norms_of(loss, params, X, Y)`` gets the norms straight from a single-example loss
 without materialising per-example gradients (``strategy="auto" | "ghost" | "ghost-lowmem" |
 "chunked" | "materialize"``; ``choose_strategy`` says which one a call gets and why).
@@ -13,6 +16,7 @@ arrays (or plain Python numbers for summaries).
 """
 
 from pergrad._src.api.reductions import StrategyChoice, choose_strategy, per_example_norms_of
+from pergrad._src.monitor import TrainingMonitor
 from pergrad._src.norms import (
     NoiseScale,
     NormSummary,
@@ -26,6 +30,7 @@ __all__ = [
     "NoiseScale",
     "NormSummary",
     "StrategyChoice",
+    "TrainingMonitor",
     "choose_strategy",
     "per_example_norms_of",
     "cosine_to_mean",

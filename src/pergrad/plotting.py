@@ -3,6 +3,7 @@
 norms = pergrad.norms.per_example_norms(grads)
 found = pergrad.outliers.detect(norms)
 pergrad.plotting.norm_histogram(norms, outliers=found, path="norms.png", log_scale=True)
+pergrad.plotting.training_curves(monitor, path="training.png")   # a norms.TrainingMonitor
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.monitor import TrainingMonitor, quantile_key
 from pergrad._src.norms import scores_to_numpy
 from pergrad._src.outliers import OutlierResult
 
@@ -97,5 +99,95 @@ def _mark_outliers(ax: Any, values: np.ndarray, outliers: OutlierResult) -> None
         markeredgewidth=2,
         label=f"{len(indices)} flagged ({outliers.method})",
     )
-    if outliers.method in ("iqr",) and outliers.direction != "low":
-        ax.axvline(outliers.threshold[1], color="#c44e52", linestyle="--", label="upper fence")
+    for cutoff in _cutoffs(values, outliers):
+        ax.axvline(cutoff, color="#c44e52", linestyle="--", label=f"threshold {cutoff:.4g}")
+
+
+def _cutoffs(values: np.ndarray, outliers: OutlierResult) -> list[float]:
+    """The detection's thresholds in norm units: the fences of ``"iqr"``; for ``"zscore"`` and
+    ``"mad"``, whose scores are an increasing affine map of the norms, the norms at which the
+    score crosses the threshold (solved from two examples' norms and scores); none for
+    ``"topk"``."""
+    if outliers.method == "topk":
+        return []
+    if outliers.method == "iqr":
+        low, high = (float(t) for t in outliers.threshold)
+    else:
+        scores = np.asarray(
+            outliers.scores.cpu() if hasattr(outliers.scores, "cpu") else outliers.scores,
+            dtype=np.float64,
+        )
+        ok = np.isfinite(values) & np.isfinite(scores)
+        x, z = values[ok].astype(np.float64), scores[ok]
+        if x.size < 2 or np.ptp(x) == 0:
+            return []
+        i, j = int(np.argmin(x)), int(np.argmax(x))
+        slope = (z[j] - z[i]) / (x[j] - x[i])
+        if slope <= 0:
+            return []
+        threshold = float(outliers.threshold)
+        high = x[i] + (threshold - z[i]) / slope
+        low = x[i] + (-threshold - z[i]) / slope
+    found = []
+    if outliers.direction in ("high", "both"):
+        found.append(high)
+    if outliers.direction in ("low", "both"):
+        found.append(low)
+    return found
+
+
+def training_curves(
+    monitor: TrainingMonitor,
+    path: str | Path | None = None,
+    max_norm: float | None = None,
+    title: str = "Gradient diagnostics over training",
+) -> Any:
+    """The running gradient noise scale, the clipped fraction and the norms' quantiles over
+    the steps a :class:`pergrad.norms.TrainingMonitor` recorded, one panel each.
+
+    Args:
+      monitor: the monitor.
+      path: where to save the figure (PNG, PDF, SVG by extension); None to only return it.
+      max_norm: a clipping bound to draw on the norms' panel (a dashed line).
+      title: the figure's title.
+
+    Returns:
+      The matplotlib ``Figure``.
+    """
+    if not isinstance(monitor, TrainingMonitor):
+        raise PergradTypeError(
+            f"training_curves: monitor must be a pergrad.norms.TrainingMonitor; got "
+            f"{type(monitor).__name__}."
+        )
+    history = monitor.history
+    if not history["step"]:
+        raise PergradValueError("training_curves: the monitor has recorded no step yet.")
+    plt = _pyplot()
+    fig, (noise, clipped, norms) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    steps = np.asarray(history["step"])
+    running = np.asarray(history["noise_scale"], dtype=float)
+    single = np.asarray(history["batch_noise_scale"], dtype=float)
+    noise.plot(steps, single, ".", color="#8c8c8c", alpha=0.5, label="one batch")
+    noise.plot(steps, running, color="#4c72b0", label="running (averaged estimates)")
+    noise.set_ylabel("noise scale B_simple")
+    if np.isfinite(np.concatenate([running, single])).any():
+        noise.set_yscale("log")
+    noise.legend()
+    fractions = np.asarray(
+        [np.nan if f is None else f for f in history["clip_fraction"]], dtype=float
+    )
+    clipped.plot(steps, fractions, color="#c44e52")
+    clipped.set_ylabel("clipped fraction")
+    clipped.set_ylim(-0.02, 1.02)
+    for q in monitor.quantiles:
+        norms.plot(steps, history[quantile_key(q)], label=f"quantile {q:g}")
+    if max_norm is not None:
+        norms.axhline(max_norm, color="#c44e52", linestyle="--", label=f"max_norm {max_norm:g}")
+    norms.set_ylabel("per-example gradient norm")
+    norms.set_xlabel("step")
+    norms.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
