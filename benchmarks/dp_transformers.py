@@ -66,6 +66,9 @@ from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
 METHODS = ("non-private", "pergrad DP", "pergrad low-memory", "Opacus hooks", "Opacus ghost")
 PERGRAD = {"pergrad DP": "auto", "pergrad low-memory": "ghost-lowmem"}  # method -> strategy
+# --float64-norms adds this method: pergrad's DP step with the norms of before issue 36 (the
+# Gram route in float64, no rounding bound: capture/cost.FAST_NORMS off during its steps)
+FLOAT64_NORMS = "pergrad DP, float64 norms"
 BASE = "non-private"
 PRIVATE = METHODS[1:]
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
@@ -283,10 +286,28 @@ def build_step(method: str, workload: Workload, config: Config, noise: float = N
         step = pergrad_step(
             model, optimizer, inputs, targets, workload.batch_size, noise, PERGRAD[method]
         )
+    elif method == FLOAT64_NORMS:
+        step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
+        step.call = with_float64_norms(step.call)
     else:
         step = opacus_step(method, model, optimizer, inputs, targets, workload, noise)
     step.model = model
     return step
+
+
+def with_float64_norms(call: Callable[[], None]) -> Callable[[], None]:
+    """``call`` with pergrad's ghost norms as before issue 36: float64 Gram matrices, no
+    certified bound (``capture/cost.FAST_NORMS`` off during the call)."""
+    from pergrad._src.capture import cost
+
+    def float64_call() -> None:
+        cost.FAST_NORMS = False
+        try:
+            call()
+        finally:
+            cost.FAST_NORMS = True
+
+    return float64_call
 
 
 def pergrad_step(
@@ -788,8 +809,17 @@ def main() -> None:
         help="GPT-2 small at its real size (12 layers, width 768, vocabulary 50257), tied and "
         "untied, T=128, B=8, instead of the small configs",
     )
+    parser.add_argument(
+        "--float64-norms",
+        action="store_true",
+        help=f"also time {FLOAT64_NORMS!r}: the ghost norms in float64 as before issue 36",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown here, the plot next to it")
     args = parser.parse_args()
+    if args.float64_norms:
+        global METHODS, PRIVATE
+        METHODS = (*METHODS[:2], FLOAT64_NORMS, *METHODS[2:])
+        PRIVATE = METHODS[1:]
     config = QUICK if args.quick else GPT2_SMALL if args.gpt2_small else FULL
     if args.quick:
         # Tiny models gain nothing from threads, and on a busy machine OpenMP's spinning

@@ -4,27 +4,44 @@ Run:  python benchmarks/metagradient_lds.py [--quick] [--out PATH]
 
 The run: scikit-learn's digits (8x8 scaled to [0, 1], no download), 1000 training and the next
 targets in a fixed shuffle (as benchmarks/attribution_lds.py), an MLP 64-128-10 with tanh,
-float64, PyTorch through ``pergrad.module_loss``; SGD with momentum 0.9, learning rate 0.1,
-L2 1e-3 (``pergrad.influence.sgd(0.1, momentum=0.9, weight_decay=1e-3)``), 10 epochs of
+PyTorch's default initialisation, float64, through ``pergrad.module_loss``; SGD with momentum
+0.9 and L2 1e-3 (``pergrad.influence.sgd(lr, momentum=0.9, weight_decay=1e-3)``), 10 epochs of
 batches of 32 in a seeded order. The target of each target digit: its margin ``logit_y -
 logsumexp(other logits)`` at the end of the run.
 
+The learning rate sets how far the run is from linear in the examples' weights, so each
+learning rate of ``LEARNING_RATES`` is a row group: 0.03 is the headline regime (PyTorch's
+SGD recipes use 0.01-0.1 with momentum 0.9; by the linear scaling rule, 0.1 at batch 256 is
+0.0125 at batch 32), 0.1 the former default (an effective step lr / (1 - momentum) = 1).
+
 Scores: ``pergrad.influence.metagradient`` of the margins (all targets in one call, vectorised
 over the adjoints). Ground truth, the same-seed regime: for each drop fraction (1%, 10%, 50%)
-and each of ``m`` random subsets (``lds_subsets``), ``pergrad.influence.replay`` retrains with
-the same initialisation and order, the dropped examples' weights 0 (their batches keep their
-size), and records the margins; the LDS is the Spearman correlation of predicted and actual
-margins over the subsets, averaged over targets (``pergrad.influence.lds``).
+and each of ``m`` random subsets (``lds_subsets``), the run retrained with the same
+initialisation and order, the dropped examples' weights 0 (their batches keep their size and
+normaliser: ``replay``'s ``normalize="batch"``), and the margins recorded; the LDS is the
+Spearman correlation of predicted and actual margins over the subsets, averaged over targets
+(``pergrad.influence.lds``). The retrainings run all subsets at once (a vectorised loop
+written here, the same arithmetic as ``pergrad.influence.replay``, checked against it on one
+subset per learning rate). ``linearity_check``: ``pergrad.influence.linearity_check`` at each
+fraction (4 drops, 5 training runs), the relative error of the scores' linear prediction.
+
+Seed-averaged regime: attribution_lds.py's ``mlp-sgd`` question (its cached ground truth: 64
+half-size subsets, each retrained with 3 training seeds and averaged, 200 targets; learning
+rate 0.1, its own initialisation and order), scored on the odd subsets as that table's rows:
+the metagradient of the seed-0 run, and the mean of the metagradients of the runs of seeds
+0-4 (an ensemble, as TRAK's models).
 
 Times are wall seconds on this machine, torch on one thread (``torch.set_num_threads(1)``: on
-a shared machine two threads contend with other processes): the metagradient call (after a warm-up call on the same
-run, so that one-off costs are out), per target, and as a multiple of one training run
-(``replay`` without weights).
+a shared machine two threads contend with other processes): the metagradient call (after a
+warm-up call on the same run, so that one-off costs are out), per target, and as a multiple of
+one training run (``replay`` without weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import numpy as np
 import torch
@@ -36,8 +53,11 @@ from pergrad.bench.machine import load_average
 from pergrad.bench.report import markdown_table, publish, sentence_header
 from pergrad.bench.timing import timed
 
-N_TRAIN, HIDDEN, EPOCHS, BATCH, LR, MOMENTUM, L2 = 1000, 128, 10, 32, 0.1, 0.9, 1e-3
+N_TRAIN, HIDDEN, EPOCHS, BATCH, MOMENTUM, L2 = 1000, 128, 10, 32, 0.9, 1e-3
+LEARNING_RATES, HEADLINE = (0.01, 0.03, 0.05, 0.1), 0.03
 DROPPED = (0.01, 0.10, 0.50)
+ENSEMBLE = 5
+NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
 
 
 def load_data(n_train: int, n_target: int) -> tuple[torch.Tensor, ...]:
@@ -47,16 +67,46 @@ def load_data(n_train: int, n_target: int) -> tuple[torch.Tensor, ...]:
     order = np.random.default_rng(0).permutation(len(digits.target))
     x, y = torch.tensor(digits.data[order] / 16.0), torch.tensor(digits.target[order])
     end = n_train + n_target
-    return x[:n_train], y[:n_train], x[n_train:end], y[n_train:end]
+    return x[:n_train], y[:n_train], x[n_train:end], y[n_train:end], x[n_train:], y[n_train:]
 
 
-def margin_of(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    others = torch.where(torch.arange(logits.shape[-1]) == label, -torch.inf, logits)
-    return logits[label] - torch.logsumexp(others, 0)
+def margins_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``logit_y - logsumexp(other logits)`` over the last axis, for any leading axes."""
+    onehot = F.one_hot(labels, logits.shape[-1]).bool()
+    others = logits.masked_fill(onehot, -torch.inf).logsumexp(-1)
+    return (logits * onehot).sum(-1) - others
 
 
-def setup(n_target: int):
-    x, y, x_target, y_target = load_data(N_TRAIN, n_target)
+def forward(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The MLP on ``x`` (``(n, 64)``) for a stack of ``m`` parameter sets: ``(m, n, 10)``."""
+    w1, b1, w2, b2 = params
+    hidden = torch.tanh(torch.einsum("ni,mhi->mnh", x, w1) + b1[:, None])
+    return torch.einsum("mnh,moh->mno", hidden, w2) + b2[:, None]
+
+
+def retrained(setup: dict, weights: np.ndarray) -> list[torch.Tensor]:
+    """The run retrained with each row of ``weights`` (``(m, n_train)``), all at once: the
+    final parameters, each ``(m, *shape)``. ``replay``'s arithmetic, vectorised over rows."""
+    x, y = setup["data"]
+    count, lr = len(weights), setup["lr"]
+    params = [setup["params0"][k].expand(count, *setup["params0"][k].shape) for k in NAMES]
+    velocity = [torch.zeros_like(p) for p in params]
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    for indices in setup["batches"]:
+        index = torch.as_tensor(indices)
+        params = [p.detach().requires_grad_(True) for p in params]
+        logits = forward(params, x[index])
+        losses = F.cross_entropy(logits.flatten(0, 1), y[index].repeat(count), reduction="none")
+        batch_loss = (weights[:, index] * losses.view(count, -1)).sum() / len(index)
+        grads = torch.autograd.grad(batch_loss, params)
+        with torch.no_grad():
+            velocity = [MOMENTUM * v + g + L2 * p for v, g, p in zip(velocity, grads, params)]
+            params = [p - lr * v for p, v in zip(params, velocity)]
+    return [p.detach() for p in params]
+
+
+def setup_run(lr: float, n_target: int) -> dict:
+    x, y, x_target, y_target, x_held, y_held = load_data(N_TRAIN, n_target)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 10)
@@ -70,78 +120,168 @@ def setup(n_target: int):
     ]
 
     def target(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = torch.func.functional_call(model, params, (x_target,))
-        return torch.func.vmap(margin_of)(logits, y_target)
+        return margins_of(torch.func.functional_call(model, params, (x_target,)), y_target)
 
-    optimizer = influence.sgd(LR, momentum=MOMENTUM, weight_decay=L2)
-    return loss, (x, y), batches, optimizer, target
+    return {
+        "lr": lr,
+        "loss": loss,
+        "params0": loss.params(),
+        "data": (x, y),
+        "batches": batches,
+        "optimizer": influence.sgd(lr, momentum=MOMENTUM, weight_decay=L2),
+        "target": target,
+        "targets": (x_target, y_target),
+        "held_out": (x_held, y_held),
+    }
 
 
-def run(quick: bool) -> tuple[list[list[str]], dict]:
-    n_target, subsets = (10, 8) if quick else (50, 64)
-    loss, data, batches, optimizer, target = setup(n_target)
-    params0 = loss.params()
+def check_against_replay(setup: dict) -> None:
+    """The vectorised retraining equals ``influence.replay`` on one subset (or raise)."""
+    mask = influence.lds_subsets(N_TRAIN, 1, fraction=0.9, seed=99)
+    final = influence.replay(*run_of(setup), mask[0])
+    mine = retrained(setup, mask.astype(np.float64))
+    for name, value in zip(NAMES, mine):
+        torch.testing.assert_close(value[0], final[name], rtol=1e-9, atol=1e-11)
 
-    def scores_call():
-        return influence.metagradient(loss, params0, data, batches, optimizer, target)
+
+def run_of(setup: dict) -> tuple:
+    return (setup["loss"], setup["params0"], setup["data"], setup["batches"], setup["optimizer"])
+
+
+def same_seed_rows(lr: float, n_target: int, subsets: int) -> tuple[list[list[str]], dict]:
+    setup = setup_run(lr, n_target)
+    check_against_replay(setup)
+
+    def scores_call() -> torch.Tensor:
+        return influence.metagradient(*run_of(setup), setup["target"])
 
     scores_call()  # warm-up
     scores, seconds = timed(scores_call)
-    final, train_seconds = timed(lambda: influence.replay(loss, params0, data, batches, optimizer))
+    final, train_seconds = timed(lambda: influence.replay(*run_of(setup)))
+    x_held, y_held = setup["held_out"]
+    logits = torch.func.functional_call(setup["loss"].model, final, (x_held,))
+    accuracy = float((logits.argmax(1) == y_held).double().mean())
     rows = []
     for dropped in DROPPED:
         masks = influence.lds_subsets(N_TRAIN, subsets, fraction=1 - dropped, seed=2)
-        outputs = np.stack(
-            [
-                target(influence.replay(loss, params0, data, batches, optimizer, mask)).numpy()
-                for mask in masks
-            ]
+        outputs = margins_of(
+            forward(retrained(setup, masks), setup["targets"][0]), setup["targets"][1]
         )
-        per_target = influence.lds(scores, masks, outputs, per_target=True)
+        per_target = influence.lds(scores, masks, outputs.numpy(), per_target=True)
+        check = influence.linearity_check(
+            *run_of(setup), setup["target"], scores, dropped=dropped, num_drops=4
+        )
         rows.append(
             [
+                f"{lr:g}",
+                f"{accuracy:.1%}",
                 f"{dropped:.0%}",
                 f"{np.nanmean(per_target):.3f}",
                 f"{np.nanmin(per_target):.2f} .. {np.nanmax(per_target):.2f}",
-                str(subsets),
+                f"{check.relative_error:.2f}",
             ]
         )
-    timing = {
-        "targets": n_target,
-        "steps": len(batches),
-        "seconds": seconds,
-        "per_target": seconds / n_target,
-        "train": train_seconds,
-        "accuracy": float((target(final) > 0).double().mean()),
-    }
+        print("  " + " | ".join(rows[-1]), flush=True)
+    timing = {"seconds": seconds, "train": train_seconds, "steps": len(setup["batches"])}
+    timing["held_out"] = len(y_held)
     return rows, timing
+
+
+def seed_averaged_rows(quick: bool) -> list[list[str]]:
+    """Metagradient rows for attribution_lds.py's seed-averaged ``mlp-sgd`` table."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import attribution_lds as peer
+
+    data = peer.load_data(200 if quick else peer.N_TRAIN, 50 if quick else peer.N_TARGET)
+    masks, outputs = peer.ground_truth("mlp-sgd", data, quick)
+    x, y, x_target, y_target = (torch.tensor(a) for a in data)
+    optimizer = influence.sgd(peer.SGD_LR, momentum=MOMENTUM, weight_decay=peer.L2)
+
+    def loss(params: dict, x_one: torch.Tensor, y_one: torch.Tensor) -> torch.Tensor:
+        return peer.ce_loss(params, x_one, y_one)
+
+    def target(params: dict) -> torch.Tensor:
+        return margins_of(peer.logits_of(params, x_target), y_target)
+
+    def run_scores(seed: int) -> torch.Tensor:
+        order = torch.Generator().manual_seed(1000 + seed)  # train_sgd's order
+        epochs = [torch.randperm(len(x), generator=order) for _ in range(peer.SGD_EPOCHS)]
+        size = peer.SGD_BATCH
+        batches = [
+            epoch[start : start + size] for epoch in epochs for start in range(0, len(x), size)
+        ]
+        params0 = peer.init("mlp", seed)
+        if seed == 0:  # the replay is attribution_lds.py's training run
+            final = influence.replay(loss, params0, (x, y), batches, optimizer)
+            reference = peer.train_sgd(data[0], data[1], seed)
+            for name, value in reference.items():
+                torch.testing.assert_close(final[name], value, rtol=1e-7, atol=1e-9)
+        return influence.metagradient(loss, params0, (x, y), batches, optimizer, target)
+
+    rows = []
+    runs: list[torch.Tensor] = []
+    seconds = 0.0
+    for count in (1, 2 if quick else ENSEMBLE):
+        while len(runs) < count:
+            scores, spent = timed(lambda: run_scores(len(runs)))
+            runs.append(scores)
+            seconds += spent
+        mean = torch.stack(runs).mean(0).numpy()
+        value = influence.lds(mean, masks[1::2], outputs[1::2])
+        label = "1 run (seed 0)" if count == 1 else f"mean of {count} runs (seeds 0-{count - 1})"
+        rows.append([f"pergrad metagradient, {label}", f"{value:.3f}", f"{seconds:.1f}"])
+        print("  " + " | ".join(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 targets, 8 subsets: a smoke run")
-    parser.add_argument("--out", help="also write the table, with a machine header, here")
+    parser.add_argument(
+        "--quick", action="store_true", help="10 targets, 8 subsets, the headline learning rate"
+    )
+    parser.add_argument("--out", help="also write the tables, with a machine header, here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start_load = load_average()
-    rows, timing = run(args.quick)
-    table = markdown_table(
-        ["dropped", "LDS (mean over targets)", "per-target range", "subsets"], rows
-    )
-    notes = (
-        f"{timing['targets']} targets, {timing['steps']} steps; targets' margin > 0 (correct) "
-        f"for {timing['accuracy']:.0%} of them at the end of the run.\n\n"
-        f"Time: metagradient of all {timing['targets']} targets {timing['seconds']:.2f} s, "
-        f"{timing['per_target']:.3f} s per target; one training run (replay) "
-        f"{timing['train']:.2f} s, so a target costs {timing['per_target'] / timing['train']:.2f} "
-        f"training runs (the whole call {timing['seconds'] / timing['train']:.1f}). "
-        f"Memory: checkpoint_every=1 keeps {timing['steps']} copies of the parameters and the "
-        f"velocity (float64, 9,610 parameters each)."
-    )
+    n_target, subsets = (10, 8) if args.quick else (50, 64)
+    rates = (HEADLINE,) if args.quick else LEARNING_RATES
+    rows, timings = [], {}
+    for lr in rates:
+        print(f"learning rate {lr}:", flush=True)
+        lr_rows, timings[lr] = same_seed_rows(lr, n_target, subsets)
+        rows += lr_rows
+    print("seed-averaged regime:", flush=True)
+    averaged = seed_averaged_rows(args.quick)
+    header = ["lr", "held-out accuracy", "dropped", "LDS (mean over targets)"]
+    header += ["per-target range", "linearity_check relative error"]
+    timing = timings[HEADLINE]
+    per_target = timing["seconds"] / n_target
+    lines = [
+        "### Same-seed regime (this run)",
+        "",
+        markdown_table(header, rows),
+        "",
+        f"{n_target} targets, {subsets} subsets per fraction, {timing['steps']} steps; "
+        f"accuracy on the {timing['held_out']} held-out digits. Headline: lr {HEADLINE} (momentum "
+        f"{MOMENTUM}). linearity_check: 4 random drops of the row's fraction, 5 training runs.",
+        "",
+        f"Time at lr {HEADLINE}: metagradient of all {n_target} targets "
+        f"{timing['seconds']:.2f} s, {per_target:.3f} s per target; one training run "
+        f"(replay) {timing['train']:.2f} s, so a target costs "
+        f"{per_target / timing['train']:.2f} training runs (the whole call "
+        f"{timing['seconds'] / timing['train']:.1f}). Memory: checkpoint_every=1 keeps "
+        f"{timing['steps']} copies of the parameters and the velocity (float64, 9,610 "
+        f"parameters each).",
+        "",
+        "### Seed-averaged regime (attribution_lds.py's mlp-sgd table: lr 0.1, 200 targets, "
+        "ground truth averaged over 3 training seeds, LDS on the odd half-size subsets)",
+        "",
+        markdown_table(["method", "LDS (odd subsets)", "seconds"], averaged),
+    ]
 
-    def header() -> str:
+    def header_line() -> str:
         return sentence_header(
-            "Metagradient attribution, same-seed LDS (digits MLP)",
+            "Metagradient attribution, LDS (digits MLP)",
             ["torch", "numpy", "pergrad"],
             [
                 "torch on 1 thread",
@@ -149,7 +289,7 @@ def main() -> None:
             ],
         )
 
-    publish(table + "\n\n" + notes, args.out, header)
+    publish("\n".join(lines), args.out, header_line)
 
 
 if __name__ == "__main__":

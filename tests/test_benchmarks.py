@@ -218,6 +218,9 @@ def test_the_repository_command_is_a_thin_alias() -> None:
     assert "benchmarks/results" in done.stdout.replace("\n", "").replace(" ", "")
 
 
+@pytest.mark.slow(
+    reason="a subprocess quick run of the strategies benchmark: about 20 s on 2 CPU cores"
+)
 def test_strategies_benchmark_quick_run(tmp_path) -> None:
     """benchmarks/strategies.py --quick: every strategy that runs agrees with the loop, and the
     models vmap cannot batch take the hooks."""
@@ -243,6 +246,9 @@ def test_strategies_benchmark_quick_run(tmp_path) -> None:
             assert float(error) < 1e-4, (model, method, error)
 
 
+@pytest.mark.slow(
+    reason="a subprocess quick run of five transformer workloads: about 11 s on 2 CPU cores"
+)
 def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
     """benchmarks/dp_transformers.py --quick: every model and method has a row, Opacus's ghost
     clipping refuses GPT-2's tied embedding (reported, not untied), pergrad's rows name the
@@ -295,6 +301,9 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
     assert (tmp_path / "dp_transformers.png").stat().st_size > 0
 
 
+@pytest.mark.slow(
+    reason="a subprocess quick run that compiles JAX transformer steps: about 35 s on 2 CPU cores"
+)
 def test_dp_transformers_jax_benchmark_quick_run(tmp_path) -> None:
     """benchmarks/dp_transformers_jax.py --quick: every method has a row, pergrad's ghost step
     names its strategy, every private gradient agrees with the hand-written vmap step's without

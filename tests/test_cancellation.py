@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pergrad._src.capture.cost import ROUNDING_TOLERANCE
+
 LENGTH, WIDTH_IN, WIDTH_OUT, BATCH = 8, 16, 16, 4  # T^2 <= K F: the Gram route's regime
 
 
@@ -66,7 +68,10 @@ def assert_clipped_within_bound(
     slack = 1e-6 + 8 * np.finfo(np.float32).eps * terms / exact
     assert size <= bound * (1 + slack), (size, bound, slack)
     if exact > bound * (1 + 2 * slack):
-        assert size >= bound * (1 - slack), (size, bound, slack)
+        # clipping by a certified upper bound of the norm (estimate + rounding bound, the bound
+        # at most cost.ROUNDING_TOLERANCE of the estimate) may clip a little more, never less
+        certified = (1 + ROUNDING_TOLERANCE) ** -0.5
+        assert size >= bound * certified * (1 - slack), (size, bound, slack)
 
 
 # --- PyTorch ------------------------------------------------------------------------------
@@ -103,7 +108,17 @@ def test_torch_norms_and_clipping_with_cancelling_positions(strategy, seed, canc
 # --- JAX ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("x64", [False, True], ids=["float32", "x64-on"])
+@pytest.mark.parametrize(
+    "x64",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.slow(reason="float64 Gram matrices under hypothesis: about 65 s"),
+        ),
+    ],
+    ids=["float32", "x64-on"],
+)
 @pytest.mark.parametrize("strategy", ["ghost", "chunked"])
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), cancel=CANCEL)

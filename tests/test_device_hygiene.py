@@ -299,6 +299,18 @@ REVIEWED = {
     ("pergrad/_src/torch/sampling.py", "CyclicPoissonBatchSampler.__iter__", "rand"): (
         "the cyclic sampler's Bernoulli draws, on the host with its host generator"
     ),
+    ("pergrad/_src/torch/make_private.py", "make_private", "Generator"): (
+        "the data loader's host generator for its Poisson sampler (example indices, on the host)"
+    ),
+    ("pergrad/_src/torch/sampling.py", "UserPoissonBatchSampler.__init__", "from_numpy"): (
+        "each example's user id as a host tensor of indices, for the sampler"
+    ),
+    ("pergrad/_src/torch/sampling.py", "UserPoissonBatchSampler.__iter__", "rand"): (
+        "the user sampler's Bernoulli draws, on the host with its host generator"
+    ),
+    ("pergrad/_src/torch/sampling.py", "UserPoissonBatchSampler.__iter__", "randperm"): (
+        "the user sampler's choice of a capped user's examples, on the host"
+    ),
     ("pergrad/_src/influence/metagradient_torch.py", "Replay._batch", "as_tensor"): (
         "a step's example indices (numpy) as a host index tensor; moved to each data leaf's "
         "device where it indexes it (`index.to(leaf.device)`)"

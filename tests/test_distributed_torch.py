@@ -364,6 +364,7 @@ def test_sharded_sampler_rejects_bad_input(options, error, message):
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow(reason="the example in two gloo processes: about 12 s on 2 CPU cores")
 def test_the_distributed_example_trains_two_processes_to_the_same_parameters():
     pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
     pytest.importorskip("dp_accounting", reason="the example calibrates the noise")

@@ -534,9 +534,12 @@ def test_dense_rule_picks_gram_or_formed_by_cost():
     a = jnp.ones((2, 3, 100))
     d = jnp.ones((2, 3, 100))
     long_a, long_d = jnp.ones((2, 300, 4)), jnp.ones((2, 300, 5))
-    # both give |sum_t a_t d_t^T|^2 = (T^2) K F for all-ones inputs
-    assert_close(jax_contractions._dense_squared_norms(a, d), np.full(2, 9.0 * 100 * 100))
-    assert_close(jax_contractions._dense_squared_norms(long_a, long_d), np.full(2, 300.0**2 * 20))
+    # both give |sum_t a_t d_t^T|^2 = (T^2) K F for all-ones inputs (the estimate of the
+    # certified pair, cost.Certified)
+    gram = jax_contractions._dense_squared_norms(a, d).estimate
+    formed = jax_contractions._dense_squared_norms(long_a, long_d).estimate
+    assert_close(gram, np.full(2, 9.0 * 100 * 100))
+    assert_close(formed, np.full(2, 300.0**2 * 20))
 
 
 # --- per-group clipping ---------------------------------------------------------------------

@@ -3,9 +3,10 @@ norms (Gram matrices, the formed per-example gradient, or a closed form), and th
 reported is the route taken.
 
 The Gram route's limit is checked against a brute-force search of its cost rule
-(``FLOAT64_COST T (p + q) <= p q``: float64 multiply-adds of the Gram matrices against
-float32 ones of the formed gradient), and the route taken is observed by counting calls of
-the Gram kernel on both sides of the limit, with the norms checked against a loop.
+(``FLOAT64_COST T (p + q) <= p q``: float64 multiply-adds of the Gram matrices against float32
+ones of the formed gradient, the crossover measured before the Gram matrices became certified
+float32), and the route taken is observed by counting calls of the Gram kernel on both sides
+of the limit, with the norms checked against a loop.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import pytest
 import pergrad
 
 
-def brute_force_limit(width_in: int, width_out: int, float64_cost: int) -> int:
-    """The largest number of positions whose Gram matrices cost no more multiply-adds (float64
-    ones counted ``float64_cost`` times) than forming the per-example gradient."""
+def brute_force_limit(width_in: int, width_out: int, gram_cost: float) -> int:
+    """The largest number of positions whose Gram matrices cost no more multiply-adds (each
+    counted ``gram_cost`` times) than forming the per-example gradient."""
     positions = 0
     while (
-        float64_cost * (positions + 1) ** 2 * (width_in + width_out)
+        gram_cost * (positions + 1) ** 2 * (width_in + width_out)
         <= (positions + 1) * width_in * width_out
     ):
         positions += 1
@@ -34,8 +35,6 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from torch import nn
-
-    from pergrad._src.capture import cost
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -55,6 +54,8 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     choice = pergrad.norms.choose_strategy(loss, loss.params(), ids, labels)
     assert choice.strategy == "ghost"
     assert set(choice.norm_routes) == set(choice.layers) == {"embed", "conv", "norm", "head"}
+    from pergrad._src.capture import cost
+
     limit = brute_force_limit(6, 24, cost.FLOAT64_COST)
     assert f"up to {limit} positions" in choice.norm_routes["head"]
     assert "6 x 24 per-example gradient formed" in choice.norm_routes["head"]
@@ -83,9 +84,9 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     assert f"up to {limit} positions" in route
 
     grams = []
-    original = torch_layers._blocked_gram
+    original = torch_layers._gram_in
     monkeypatch.setattr(
-        torch_layers, "_blocked_gram", lambda a, d: grams.append(a.shape) or original(a, d)
+        torch_layers, "_gram_in", lambda a, d, unit: grams.append(a.shape) or original(a, d, unit)
     )
     norms = pergrad.norms.per_example_norms_of(loss, loss.params(), X, Y, strategy="ghost")
     # layer 0 sees `positions` tokens per example; layer 2 one (its own closed form)
@@ -102,7 +103,7 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     "positions, expected",
     [
         (1, "one position"),
-        (2, "jax_enable_x64 is off"),  # 2 x 2 (8 + 8) <= 8 x 8: Gram would be cheaper
+        (2, "Gram matrices in float32"),  # 2 x 2 (8 + 8) <= 8 x 8: Gram, certified float32
         (3, "cheaper than Gram matrices"),  # 2 x 3 (8 + 8) > 8 x 8 (the rule PyTorch's takes)
     ],
 )
@@ -131,6 +132,11 @@ def test_jax_routes_follow_the_traced_shapes(positions, expected):
     assert set(routes) == set(choice.layers)
     assert expected in routes["['dense']"]
     if positions > 1:
-        assert f"8 x 8 per-example gradient formed ({positions} positions" in routes["['dense']"]
+        assert "certified" in routes["['dense']"]
+    if positions > 2:
+        assert (
+            f"8 x 8 per-example gradient formed in float32 ({positions} positions"
+            in (routes["['dense']"])
+        )
     assert "per row" in routes["['table']"]
     assert "one position" in routes["['head']"]

@@ -293,6 +293,9 @@ def test_factored_projection_of_gpt2_equals_projecting_its_materialised_gradient
     np.testing.assert_allclose(features, expected, rtol=1e-9, atol=1e-12 * np.abs(expected).max())
 
 
+@pytest.mark.slow(
+    reason="a quick run of the factored-projection benchmark: about 15 s on 2 CPU cores"
+)
 def test_factored_projection_benchmark_quick_run(tmp_path, monkeypatch):
     """benchmarks/factored_projection.py --quick: a row per method, the factored and the
     materialised features of the same dimension, in a markdown table with the machine named."""

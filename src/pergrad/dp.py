@@ -19,6 +19,17 @@ that minimises the largest prefix-sum error), accounted as one Gaussian release:
     opt = pergrad.dp.DPOptimizer(..., noise_multiplier=4.0, noise=mech)
     pergrad.dp.epsilon(noise_multiplier=4.0, delta=1e-5, noise=mech)
 
+One call sets a run up (the noise multiplier from a target epsilon, the sampler, the expected
+batch size and the accountant, derived together; what Opacus's ``make_private`` is)::
+
+    optimizer, loader, accountant = pergrad.dp.make_private(          # PyTorch
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset, F.cross_entropy,
+        batch_size=64, epochs=10, target_epsilon=3.0, delta=1e-5, max_norm=1.0)
+    tx, loader, accountant = pergrad.dp.make_private_optax(           # JAX: (x, y, mask)
+        X, Y, batch_size=64, epochs=10, target_epsilon=3.0, delta=1e-5, max_norm=1.0)
+
+``plan`` gives the numbers alone (a ``DPPlan``).
+
 Privacy is accounted through Google's ``dp-accounting`` (the ``dp`` extra): ``epsilon``,
 ``noise_multiplier_for`` and the ``Accountant`` that counts training steps. The accounting
 assumes Poisson sampling: ``poisson_batches`` (numpy indices, with ``pad_batch`` for a fixed
@@ -37,6 +48,11 @@ Several JAX devices: ``shard_batch`` splits a batch over a mesh for ``jax.jit`` 
 happens where the examples live; only the summed gradient crosses devices); inside
 ``jax.shard_map`` pass ``axis_name=`` to ``clipped_sum`` / ``optax_aggregate`` or call
 ``psum_clipped``. See ``examples/sharded_dp_jax.py``.
+
+User-level privacy (a user contributes many examples; the user is clipped, sampled and
+accounted): ``user_ids=`` on ``clipped_sum``, ``private_mean``, ``clipped_sum_of``,
+``private_grad_of``, ``DPOptimizer.step`` and the optax ``update``; users are sampled with
+``poisson_user_batches`` / ``UserPoissonBatchSampler``, and ``epsilon`` takes their sample rate.
 
 Data-parallel DP-SGD over ``torch.distributed``: ``DPOptimizer(..., distributed=True)`` with
 ``PoissonBatchSampler(..., num_replicas=world_size, rank=rank)`` in every process (and
@@ -60,9 +76,13 @@ from pergrad._src.dp.cyclic import cyclic_poisson_batches
 from pergrad._src.dp.from_loss import clipped_sum_of, private_grad_of
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, gaussian
 from pergrad._src.dp.sampling import max_batch_size_for, pad_batch, poisson_batches
+from pergrad._src.dp.setup import DPPlan, DPSetup, PaddedPoissonLoader, plan
 from pergrad._src.dp.strategy_optimization import optimal_blt
+from pergrad._src.dp.users import poisson_user_batches
 
 _LAZY = {
+    "make_private": "pergrad._src.torch.make_private",
+    "make_private_optax": "pergrad._src.jax.make_private",
     "optax_aggregate": "pergrad._src.jax.optax",
     "dpsgd": "pergrad._src.jax.optax",
     "PrivateAggregateState": "pergrad._src.jax.optax",
@@ -75,6 +95,7 @@ _LAZY = {
     "broadcast_parameters": "pergrad._src.torch.distributed",
     "PoissonBatchSampler": "pergrad._src.torch.sampling",
     "CyclicPoissonBatchSampler": "pergrad._src.torch.sampling",
+    "UserPoissonBatchSampler": "pergrad._src.torch.sampling",
     "collate_with_empty_batches": "pergrad._src.torch.sampling",
     "epsilon_lower_bound": "pergrad._src.dp.audit",
     "epsilon_lower_bound_ceiling": "pergrad._src.dp.audit",
@@ -107,7 +128,12 @@ __all__ = [
     "noise_multiplier_for",
     "pad_batch",
     "poisson_batches",
+    "plan",
+    "DPPlan",
+    "DPSetup",
+    "PaddedPoissonLoader",
     "cyclic_poisson_batches",
+    "poisson_user_batches",
     "add_noise",
     "clip",
     "clipped_sum",

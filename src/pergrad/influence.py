@@ -25,7 +25,9 @@ Why did THIS trained model do that? :func:`metagradient` differentiates targets 
 a deterministic replay of the training run (the MAGIC regime): ``d target / d w_i`` for each
 example's weight, SGD / momentum / Adam(W) (:func:`sgd`, :func:`adam`) or any optax
 transformation, on both frameworks; :func:`replay` is the same run with example weights, for
-checking the scores by retraining with the same initialisation and order.
+checking the scores by retraining with the same initialisation and order, and
+:func:`linearity_check` says, from a few such replays, how far the run is from its
+linearisation (when to trust the scores).
 
 To measure how good a method's scores are, retrain on random half-size subsets
 (:func:`lds_subsets`) and compute the linear datamodeling score, :func:`lds`.
@@ -42,6 +44,7 @@ from pergrad._src.influence.kfac import EKFAC, KFAC
 from pergrad._src.influence.kronecker import project_factored
 from pergrad._src.influence.lds import lds, lds_subsets
 from pergrad._src.influence.metagradient import Metagradient, adam, metagradient, replay, sgd
+from pergrad._src.influence.metagradient_check import LinearityCheck, linearity_check
 from pergrad._src.influence.outputs import classification_margin, classification_weight
 from pergrad._src.influence.projection import project
 from pergrad._src.influence.protocol import Estimator, Solver, Task
@@ -71,6 +74,7 @@ __all__ = [
     "InfluenceWarning",
     "KFAC",
     "LiSSA",
+    "LinearityCheck",
     "Metagradient",
     "Solver",
     "TRAK",
@@ -86,6 +90,7 @@ __all__ = [
     "inverse_hvp",
     "lds",
     "lds_subsets",
+    "linearity_check",
     "merge_top_k",
     "metagradient",
     "project",

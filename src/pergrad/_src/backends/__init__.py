@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -25,6 +26,31 @@ _BACKEND_MODULES = {
 
 # The module a framework's arrays come from, used to detect the backend without importing it.
 _FRAMEWORK_IMPORT_NAMES = {"jax": "jax", "torch": "torch"}
+
+
+_vectorised_depth = threading.local()
+
+
+def runs_vectorised(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, marked as running under a backend's ``vmap`` while it runs (each backend's
+    :meth:`Backend.vmap` wraps the function it maps): a failure there may be the framework's
+    vmap's own, which a loop over the examples would not meet, so ``core/call.py`` leaves it to
+    the strategies' fallback instead of explaining it as a failure of one example."""
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_vectorised_depth, "value", 0)
+        _vectorised_depth.value = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _vectorised_depth.value = depth
+
+    return marked
+
+
+def is_running_vectorised() -> bool:
+    """Whether the calling code runs inside a function a backend's ``vmap`` maps."""
+    return getattr(_vectorised_depth, "value", 0) > 0
 
 
 class Backend(Protocol):

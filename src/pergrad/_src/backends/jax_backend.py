@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pergrad._src.backends import runs_vectorised
 from pergrad._src.backends.secure import is_secure
 
 
@@ -126,6 +127,7 @@ class JaxBackend:
         randomness: str | None,
     ) -> Callable[..., Any]:
         del randomness  # validated away by the API: JAX randomness comes in as batched keys
+        fn = runs_vectorised(fn)
         if chunk_size is None:
             return jax.vmap(fn, in_axes=in_axes)
         return _chunked_vmap(fn, in_axes, chunk_size)

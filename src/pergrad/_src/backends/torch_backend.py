@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from pergrad._src.backends import runs_vectorised
 from pergrad._src.backends.secure import is_secure
 from pergrad._src.errors import PergradValueError
 
@@ -137,7 +138,10 @@ class TorchBackend:
         randomness: str | None,
     ) -> Callable[..., Any]:
         return torch.func.vmap(
-            fn, in_dims=in_axes, randomness=randomness or "error", chunk_size=chunk_size
+            runs_vectorised(fn),
+            in_dims=in_axes,
+            randomness=randomness or "error",
+            chunk_size=chunk_size,
         )
 
     def take(self, x: Any, index: int) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pergrad._src.capture import cost
 from pergrad._src.capture.cost import gram_is_cheaper
 from pergrad._src.capture.jax_engine import Site, apply_chain, contract, row_axis
 from pergrad._src.capture.jax_rules import register, rule_for
@@ -89,7 +90,10 @@ def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) ->
     factors = dense_factors(site, inputs, cotangents)
     if factors is None:
         return per_example_squared_norms(site, param, inputs, cotangents)
-    return _dense_squared_norms(*(_wide(f) for f in factors)).astype(param.dtype)
+    found = _dense_squared_norms(*(_wide(f) for f in factors))
+    if isinstance(found, cost.Certified):
+        return _in_dtype(found, param.dtype)
+    return found.astype(param.dtype)
 
 
 register("conv", per_example, weighted_sum)(per_example_squared_norms)
@@ -119,14 +123,27 @@ def norm_route(site: Site) -> str:
     if positions == 1:
         return "one position: |x|^2 |g|^2 (nothing formed)"
     gram_cheaper = gram_is_cheaper(positions, k, f)
-    if gram_cheaper and jax.config.jax_enable_x64:
-        return f"Gram matrices in float64 ({positions} x {positions} per example)"
-    why = (
-        "Gram matrices would need float64, and jax_enable_x64 is off"
-        if gram_cheaper
-        else "cheaper than Gram matrices"
+    x64 = jax.config.jax_enable_x64
+    if not cost.FAST_NORMS:
+        if gram_cheaper and x64:
+            return f"Gram matrices in float64 ({positions} x {positions} per example)"
+        why = "Gram matrices would need float64" if gram_cheaper else "cheaper than Gram"
+        return f"the {k} x {f} per-example gradient formed ({positions} positions: {why})"
+    again = "float64" if x64 else "the gradient formed"
+    certified = (
+        f"certified: each squared norm with its rounding bound, added before clipping; an "
+        f"example whose bound exceeds {cost.ROUNDING_TOLERANCE:g} of it computed again in {again}"
     )
-    return f"the {k} x {f} per-example gradient formed ({positions} positions: {why})"
+    fast = cost.fast_gram_suffices(positions, (k, f), _unit(jnp.float32))
+    if gram_cheaper and (fast or x64):
+        precision = "float32" if fast else "float64"
+        return f"Gram matrices in {precision} ({positions} x {positions} per example), {certified}"
+    why = (
+        "Gram matrices in float32 too loose, float64 needs jax_enable_x64"
+        if gram_cheaper
+        else ("cheaper than Gram matrices")
+    )
+    return f"the {k} x {f} per-example gradient formed in float32 ({positions} positions: {why}), {certified}"
 
 
 def dense_factors(site: Site, inputs: Any, cotangents: Any) -> tuple[Any, Any] | None:
@@ -185,26 +202,123 @@ def embedding_records(site: Site, param: Any, inputs: Any, cotangents: Any) -> L
 
 
 def _dense_squared_norms(a: Any, d: Any) -> Any:
-    """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``.
+    """``|A_i^T D_i|_F^2`` per example, for ``a (B, T, K)`` and ``d (B, T, F)``, certified
+    (``cost.Certified``; a plain array where ``cost.FAST_NORMS`` is off).
 
-    Gram matrices (``T x T``, where ``cost.gram_is_cheaper``: ``2 T (K + F) <= K F``)
-    are used only in float64, that is with ``jax_enable_x64`` on: their sum
-    ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` rounds with an error of ``eps (sum_t |a_t| |d_t|)^2``,
-    and in float32 (TF32 on a GPU by default) a gradient whose positions nearly cancel came out
-    30% too small or negative, which lets a clipped example exceed the bound. Otherwise the
-    gradient is formed, with the rounding of the materialised per-example gradients.
+    Gram matrices (``T x T``, where ``cost.gram_is_cheaper``: ``T (K + F) <= K F``) or the
+    formed gradient, in the operands' precision (the products at ``Precision.HIGHEST``: no
+    TF32 or bfloat16 passes on a GPU or TPU), each with its rounding bound (as PyTorch's,
+    ``torch_layers._gram_in`` / ``_formed_in``). The Gram sum cancels wherever the
+    per-position gradients do (in float32 a gradient whose positions nearly cancel came out
+    30% too small or negative); an example whose bound exceeds ``cost.ROUNDING_TOLERANCE`` of
+    its estimate is computed again, in float64 under ``jax_enable_x64``, else formed (whose
+    bound is relatively the square root of the Gram route's). A layer whose fast Gram route
+    could not meet the tolerance takes float64 (under ``jax_enable_x64``) or the formed route.
     """
     _, positions, k = a.shape
     f = d.shape[2]
-    if positions == 1:
+    if positions == 1:  # sums of squares: nothing cancels (as torch_layers._one_position)
         return (a[:, 0] ** 2).sum(axis=1) * (d[:, 0] ** 2).sum(axis=1)
-    if gram_is_cheaper(positions, k, f) and jax.config.jax_enable_x64:
-        wide_a, wide_d = a.astype(jnp.float64), d.astype(jnp.float64)
-        gram_a = jnp.einsum("btk,bsk->bts", wide_a, wide_a, precision=_EXACT)
-        gram_d = jnp.einsum("btf,bsf->bts", wide_d, wide_d, precision=_EXACT)
-        return (gram_a * gram_d).sum(axis=(1, 2)).astype(a.dtype)
+    x64 = jax.config.jax_enable_x64
+    gram = gram_is_cheaper(positions, k, f) and (cost.FAST_NORMS or x64)
+    if not cost.FAST_NORMS:  # the route before certified norms: a benchmark's baseline
+        if gram:
+            return _gram(a.astype(jnp.float64), d.astype(jnp.float64)).estimate.astype(a.dtype)
+        return _formed(a, d).estimate
+    fast_gram = gram and cost.fast_gram_suffices(positions, (k, f), _unit(a.dtype))
+    if gram and not fast_gram and x64:
+        return _in_dtype(_gram(a.astype(jnp.float64), d.astype(jnp.float64)), a.dtype)
+    found = _gram(a, d) if fast_gram else _formed(a, d)
+    if x64:
+        again = _gram if fast_gram else _formed
+        return _tightened(found, lambda: _in_dtype(again(_wider(a), _wider(d)), a.dtype))
+    if fast_gram:
+        return _tightened(found, lambda: _formed(a, d))
+    return found
+
+
+def _unit(dtype: Any) -> float:
+    """The unit roundoff of ``dtype``: half its machine epsilon."""
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def _wider(x: Any) -> Any:
+    return x.astype(jnp.float64)
+
+
+def _in_dtype(found: cost.Certified, dtype: Any) -> cost.Certified:
+    """``found`` in ``dtype``, its bound raised to cover the conversion's rounding."""
+    if found.estimate.dtype == dtype:
+        return found
+    unit = _unit(dtype)
+    bound = (found.bound + unit * (found.estimate + found.bound)) * (1 + 2 * unit)
+    return cost.Certified(found.estimate.astype(dtype), bound.astype(dtype))
+
+
+def _tightened(found: cost.Certified, again: Any) -> cost.Certified:
+    """``found``, with the examples whose bound exceeds ``cost.ROUNDING_TOLERANCE`` of their
+    estimate taken from ``again()`` (a tighter route over the whole batch, computed only when
+    some example needs it: ``lax.cond``)."""
+    loose = found.bound > cost.ROUNDING_TOLERANCE * found.estimate
+
+    def tighter() -> cost.Certified:
+        other = again()
+        return cost.Certified(
+            jnp.where(loose, other.estimate, found.estimate),
+            jnp.where(loose, other.bound, found.bound),
+        )
+
+    return jax.lax.cond(jnp.any(loose), tighter, lambda: found)
+
+
+def _nested_sum(x: Any) -> Any:
+    """``(B, R, C) -> (B,)``, over columns, then rows, kept apart (``optimization_barrier``:
+    XLA would merge the two reductions into one), so that every term passes through at most
+    ``R + C`` additions whatever order each reduction takes."""
+    return jax.lax.optimization_barrier(x.sum(axis=2)).sum(axis=1)
+
+
+def _gram(a: Any, d: Any) -> cost.Certified:
+    """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example and its rounding bound, as
+    ``torch_layers._gram_in`` (one block)."""
+    _, positions, k = a.shape
+    f = d.shape[2]
+    unit = _unit(a.dtype)
+    norms_a, norms_d = jnp.linalg.norm(a, axis=2), jnp.linalg.norm(d, axis=2)
+    gram_a = jnp.einsum("btk,bsk->bts", a, a, precision=_EXACT)
+    gram_d = jnp.einsum("btf,bsf->bts", d, d, precision=_EXACT)
+    product = gram_a * gram_d
+    from_a = norms_a[:, :, None] * norms_a[:, None, :] * jnp.abs(gram_d)
+    from_d = norms_d[:, :, None] * norms_d[:, None, :] * jnp.abs(gram_a)
+    alpha, beta = cost.product_error(k, unit), cost.product_error(f, unit)
+    terms = (norms_a * norms_d).sum(axis=1)  # sum_t |a_t| |d_t|
+    depth = 2 * positions
+    bound = (
+        cost.gamma(depth + 1, unit) * _nested_sum(jnp.abs(product))
+        + alpha * _nested_sum(from_a)
+        + beta * _nested_sum(from_d)
+        + alpha * beta * terms * terms
+    )
+    own = cost.gamma(depth + 2 * (k + f + positions) + 16, unit)
+    return cost.Certified(jnp.maximum(_nested_sum(product), 0), bound * (1 + 2 * own))
+
+
+def _formed(a: Any, d: Any) -> cost.Certified:
+    """``|A^T D|_F^2`` per example from the formed ``K x F`` gradients and its rounding bound,
+    as ``torch_layers._formed_in``: each entry within ``theta sum_t |a_tk| |d_tf|``."""
+    _, positions, k = a.shape
+    f = d.shape[2]
+    unit = _unit(a.dtype)
     formed = jnp.einsum("btk,btf->bkf", a, d, precision=_EXACT)
-    return (formed**2).sum(axis=(1, 2))
+    squared = _nested_sum(formed**2)
+    terms = (jnp.linalg.norm(a, axis=2) * jnp.linalg.norm(d, axis=2)).sum(axis=1)
+    error = cost.product_error(positions, unit) * terms
+    depth = k + f + positions
+    relative = cost.gamma(depth + 1, unit)
+    upper = jnp.sqrt(squared * (1 + 2 * relative)) + error
+    own = cost.gamma(2 * depth + 16, unit)
+    bound = jnp.maximum(upper * upper - squared, 0) * (1 + 2 * own) + 4 * unit * squared
+    return cost.Certified(squared, bound)
 
 
 def _embedding_squared_norms(site: Site, ids: Any, cotangents: Any) -> Any:
@@ -293,7 +407,8 @@ def tied_squared_norms(
     if not dense:
         return _row_sums_squared(rows, d, batch).astype(param.dtype)
     (k,) = dense
-    whole = dense_squared_norms(sites[k], param, inputs[k], cotangents[k])
+    # the dense use's whole norm brings its rounding bound (the segment sums add none)
+    whole, whole_bound = cost.split(dense_squared_norms(sites[k], param, inputs[k], cotangents[k]))
     read = _dense_rows(sites[k], param, inputs[k], cotangents[k], rows)  # (B, T, F)
     order, segment, starts, owner = _segments(rows)
     count = rows.size
@@ -308,7 +423,8 @@ def tied_squared_norms(
     )
     dense_touched = jax.ops.segment_sum((dense_rows**2).sum(axis=1), owner, num_segments=batch)
     rest = jnp.maximum(_wide(whole) - dense_touched, 0.0)
-    return (touched + rest).astype(param.dtype)
+    total = (touched + rest).astype(param.dtype)
+    return total if whole_bound is None else cost.Certified(total, whole_bound)
 
 
 def _dense_rows(site: Site, param: Any, inputs: Any, cotangents: Any, rows: Any) -> Any:

@@ -320,13 +320,27 @@ def _parameter(layer: Any, key: str) -> Any:
 def rule_for(layer: Any) -> LayerRule | None:
     """The rule registered for ``type(layer)``, or the first family whose predicate matches
     the layer, or None."""
-    cls = type(layer)
+    cls = _unsharded_class(type(layer))
     rule = _RULES.get(cls)
     if rule is None:
         rule = _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
     if rule is None:
         rule = next((rule for matches, rule in _MATCHERS if matches(layer)), None)
     return rule
+
+
+def _unsharded_class(cls: type) -> type:
+    """The layer's own class where FSDP2's ``fully_shard`` swapped it for its dynamic subclass
+    ``FSDP<Name>(FSDPModule, <Name>)``, whose forward is the original's (matched by name, so
+    that this module does not import ``torch.distributed``)."""
+    bases = cls.__bases__
+    if (
+        len(bases) == 2
+        and bases[0].__name__ == "FSDPModule"
+        and cls.__name__ == f"FSDP{bases[1].__name__}"
+    ):
+        return bases[1]
+    return cls
 
 
 def layer_parameters(layer: Any) -> list[tuple[str, Any]]:

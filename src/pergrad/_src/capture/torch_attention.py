@@ -41,9 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.rules import Recorded, register
-from pergrad._src.capture.torch_layers import LayerCall, outer_product_squared_norms, side_by_side
+from pergrad._src.capture.torch_layers import (
+    LayerCall,
+    dense_route_of,
+    outer_product_squared_norms,
+    side_by_side,
+)
 from pergrad._src.errors import Unsupported
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
@@ -328,7 +332,8 @@ def is_covered(layer: Any) -> bool:
     record=_record,
     nested=("out_proj.weight", "out_proj.bias"),
     route=lambda layer: (
-        "each projection as a dense layer: " + dense_route(layer.embed_dim, layer.embed_dim)
+        "each projection as a dense layer: "
+        + dense_route_of(layer, layer.embed_dim, layer.embed_dim)
     ),
 )
 def attention_squared_norms(

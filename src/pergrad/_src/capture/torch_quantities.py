@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_generic, torch_position_bias, torch_tied
+from pergrad._src.capture import cost, torch_generic, torch_position_bias, torch_tied
 from pergrad._src.capture.quantities import Formed
 from pergrad._src.capture.rules import (
     in_reduction_precision,
@@ -47,18 +47,29 @@ WeightGroups = list[tuple[Any, list[int]]]
 CleanFn = Callable[[list[LayerCall], torch.Tensor], list[LayerCall]]
 
 
-def layer_squared_norms(module: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
-    """``{parameter: (B,) squared norms}`` of one layer from its calls, by its rule."""
+def layer_squared_norms(module: nn.Module, calls: list[LayerCall]) -> dict[str, Any]:
+    """``{parameter: (B,) squared norms}`` of one layer from its calls, by its rule: a
+    ``cost.Certified`` pair where the rule computed them in a fast precision."""
     return rule_for(module).squared_norms(module, calls)
 
 
-def squared_norms(
-    session: CapturedPass, computed: dict[str, dict[str, torch.Tensor]]
-) -> list[torch.Tensor]:
-    """Each leaf's ``(B,)`` per-example squared norms: the layers' from their records (those in
-    ``computed``, layer name -> its rule's norms, were reduced in their tensor hooks), the tied
-    parameters' from their uses, the formed per-example gradients' (``session.unit_grads``),
-    and zeros where no hook saw the parameter (a layer whose output did not reach the loss)."""
+class LeafSquaredNorms(list):
+    """Each leaf's ``(B,)`` squared norms, the best estimates (the list itself, what
+    ``CapturedPass.squared`` holds), and ``bounds``: each leaf's ``(B,)`` bound on its
+    estimate's rounding error (``cost.Certified``), None where the rule gave none (computed in
+    float64, or formed as a materialised gradient is)."""
+
+    def __init__(self, estimates: list[Any], bounds: list[Any]) -> None:
+        super().__init__(estimates)
+        self.bounds = bounds
+
+
+def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> LeafSquaredNorms:
+    """Each leaf's ``(B,)`` per-example squared norms (and their rounding bounds,
+    :class:`LeafSquaredNorms`): the layers' from their records (those in ``computed``, layer
+    name -> its rule's norms, were reduced in their tensor hooks), the tied parameters' from
+    their uses, the formed per-example gradients' (``session.unit_grads``), and zeros where no
+    hook saw the parameter (a layer whose output did not reach the loss)."""
     owners = session.owners
     squared: list[Any] = [None] * len(session.diff)
     sharing = owners.sharing
@@ -77,7 +88,8 @@ def squared_norms(
     for k, leaf in enumerate(session.diff):  # zeros for the parameters no hook saw
         if squared[k] is None:
             squared[k] = leaf.new_zeros(batch_size)
-    return squared
+    estimates, bounds = zip(*map(cost.split, squared))
+    return LeafSquaredNorms(list(estimates), list(bounds))
 
 
 def _per_layer(
@@ -98,7 +110,7 @@ def _per_layer(
         yield from owners.named(module_name, values)
 
 
-def _tied_squared_norms(session: CapturedPass) -> dict[str, torch.Tensor]:
+def _tied_squared_norms(session: CapturedPass) -> dict[str, Any]:
     """Squared norms of the parameters of the layers that share one: each layer's rule gives
     its own parameters' norms, and each shared parameter's adds its uses' norms and their cross
     terms in float64 (``torch_tied.py``). Where some example's uses nearly cancel, the rules
@@ -115,7 +127,7 @@ def _tied_squared_norms(session: CapturedPass) -> dict[str, torch.Tensor]:
 
 def _tied_pass(
     session: CapturedPass, calls: dict[str, list[LayerCall]]
-) -> tuple[dict[str, torch.Tensor], bool]:
+) -> tuple[dict[str, Any], bool]:
     """:func:`_tied_squared_norms` from the sharing layers' ``calls`` as they are, and whether
     every tied sum is :func:`torch_tied.well_conditioned` (always, for float64 calls)."""
     owners, params, modules = session.owners, session.params, session.owners.modules
@@ -133,13 +145,16 @@ def _tied_pass(
         for name, uses in owners.tied.items():
             present = [(owner, attribute) for owner, attribute in uses if owner in own]
             if present:
-                terms = [own[o][a] for o, a in present]
+                terms, bounds = zip(*(cost.split(own[o][a]) for o, a in present))
                 total = torch_tied.tied_squared_norms(
-                    [torch_tied.Use(modules[o], a, calls[o]) for o, a in present], terms
+                    [torch_tied.Use(modules[o], a, calls[o]) for o, a in present], list(terms)
                 )
                 wide = all(t.dtype == torch.float64 for t in terms)
-                exact_enough &= wide or torch_tied.well_conditioned(total, terms)
-                result[name] = total.to(params[name].dtype)
+                exact_enough &= wide or torch_tied.well_conditioned(total, list(terms))
+                # the cross terms are float64; each use's own norm brings its bound
+                own_bounds = [b for b in bounds if b is not None]
+                found = cost.Certified(total, sum(own_bounds)) if own_bounds else total
+                result[name] = found.to(params[name].dtype)
     return result, exact_enough
 
 

@@ -65,6 +65,8 @@ class CapturedPass:
       unit_records, bias_records: the generic units' and position-bias tables' calls, until
         their per-example gradients are formed (then emptied, :meth:`release`).
       losses: ``(B,)`` per-example losses and their graph; None once no backward pass follows.
+      loss_values: the same losses, detached: kept after the graph is freed (a DP step reports
+        their mean).
       light: what a backward pass differentiates to reach every hooked output without any
         weight gradient (empty once no backward pass follows).
       rng: the backend's random-number state before the forward pass.
@@ -92,6 +94,7 @@ class CapturedPass:
     squared: list[Any] | None = None
     summaries: dict[int, torch_checks.RowSummary] = field(default_factory=dict)
     pending_key: Any = None
+    loss_values: torch.Tensor | None = None
 
     @functools.cached_property
     def position(self) -> dict[int, int]:
@@ -178,6 +181,7 @@ def forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) ->
         losses=losses,
         light=light,
         rng=rng,
+        loss_values=losses.detach(),
     )
 
 

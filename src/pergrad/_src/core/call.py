@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,13 @@ from pergrad._src.backends import (
     framework_names_in,
     frameworks_in,
     get_backend,
+    is_running_vectorised,
 )
 from pergrad._src.core import axes as axes_lib
 from pergrad._src.errors import (
     PergradTypeError,
     PergradValueError,
+    is_pergrad_error,
 )
 
 _RANDOMNESS = ("error", "different", "same")
@@ -222,7 +225,13 @@ def single_example(
     batched_values: tuple[Any, ...],
 ) -> Any:
     """``fn`` on one example, with its output checked: the loss, or ``(loss, aux)``."""
-    out = spec.fn(*call.rebuild(diff_values, batched_values), **kwargs)
+    try:
+        out = spec.fn(*call.rebuild(diff_values, batched_values), **kwargs)
+    except Exception as err:
+        explained = _one_example_shape_error(spec, call, err)
+        if explained is None:
+            raise
+        raise explained from err
     if spec.has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise PergradValueError(
@@ -245,6 +254,65 @@ def single_example(
             f"single example it returned {problem}.{hint}"
         )
     return (loss, out[1]) if spec.has_aux else loss
+
+
+# Words of the frameworks' complaints about array shapes (JAX's TypeErrors, torch's
+# RuntimeErrors, either's IndexErrors), lower case.
+_SHAPE_WORDS = (
+    "shape",
+    "ndim",
+    "dimension",
+    "rank",
+    "size",
+    "broadcast",
+    "too many indices",
+    "index out of range",
+)
+
+
+def _one_example_shape_error(spec: Spec, call: Call, err: Exception) -> PergradValueError | None:
+    """The error to raise when ``fn`` failed on one example with the framework's complaint
+    about shapes, most often a loss of the whole batch given where the loss of one example is
+    expected; None to let ``err`` through. Left through: pergrad's own errors, failures under
+    a vmap (the strategies fall back to a loop, which meets the plain failure and explains
+    it here), JAX's tracer errors, and ``module_loss`` losses (which add the batch axis back)."""
+    message = str(err)
+    if (
+        is_pergrad_error(err)
+        or is_running_vectorised()
+        or not isinstance(err, (TypeError, ValueError, IndexError, RuntimeError))
+        or type(err).__module__.startswith("jax")  # ConcretizationTypeError and the like
+        or not any(word in message.lower() for word in _SHAPE_WORDS)
+        or not call.batched_positions
+        or _is_module_loss(spec.fn)
+    ):
+        return None
+    bk = call.backend
+    shapes = []
+    for i, j in call.batched_positions[:3]:
+        name = spec.arg_name(i)
+        label = f"argument {i}" + (f" ({name!r})" if name else "")
+        if len(call.leaves[i]) > 1:
+            label += f" leaf {j}"
+        full = tuple(bk.shape(call.leaves[i][j]))
+        shapes.append(f"{label} of shape {full[1:]} (the batch's {full})")
+    more = " ..." if len(call.batched_positions) > 3 else ""
+    first_line = message.splitlines()[0][:300] if message else ""
+    return PergradValueError(
+        f"{spec.func_name}: fn failed on ONE example with a shape error "
+        f"({type(err).__name__}: {first_line}). fn must be the loss of one example: it is called "
+        f"with each batched argument WITHOUT its batch axis (axis 0, of size {call.batch_size}): "
+        f"{', '.join(shapes)}{more}. A loss written for the whole batch fails this way. Write "
+        f"the loss of one example, e.g. add the batch axis back inside it: "
+        f"lambda params, x, y: batch_loss(params, x[None], y[None]); for a PyTorch nn.Module, "
+        f"pergrad.module_loss(model, loss_fn) writes it for you."
+    )
+
+
+def _is_module_loss(fn: Any) -> bool:
+    """Whether ``fn`` is a :func:`pergrad.module_loss` loss, without importing torch."""
+    module = sys.modules.get("pergrad._src.core.module_loss")
+    return module is not None and isinstance(fn, module.ModuleLoss)
 
 
 def _describe(bk: Backend, x: Any) -> str:

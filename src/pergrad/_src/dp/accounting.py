@@ -27,8 +27,11 @@ when a function here is called, not when pergrad is imported.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import numbers
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,33 @@ SAMPLINGS = ("poisson", "fixed")
 # training run is sensible, and an unreachable target would otherwise search forever.
 _MIN_NOISE_MULTIPLIER = 2.0**-20
 _MAX_NOISE_MULTIPLIER = 2.0**20
+
+
+# dp_accounting's RDP accountant logs this through absl when the series for one fractional
+# order does not converge; it then leaves that order out of the minimum over orders, so the
+# epsilon is still a valid (at most slightly looser) bound. Nothing is wrong, yet every
+# epsilon / noise_multiplier_for call printed several such lines.
+_NOT_CONVERGED = "_compute_log_a_frac failed to converge"
+
+
+class _NotConvergedFilter(logging.Filter):
+    """Drops the RDP accountant's "failed to converge" records, and only those."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NOT_CONVERGED)
+
+
+@contextlib.contextmanager
+def quiet_convergence_warnings() -> Iterator[None]:
+    """Silences dp_accounting's "failed to converge" warnings while the block runs; every other
+    record of absl's logger (a negative Rényi divergence, PLD's notes) still gets through."""
+    logger = logging.getLogger("absl")
+    dropped = _NotConvergedFilter()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
 
 
 def _import_dp_accounting() -> Any:
@@ -203,9 +233,9 @@ class _Setting:
             return 0.0  # nothing released; dp_accounting's conversion would report a small floor
         dpa = _import_dp_accounting()
         accountant = self.fresh_accountant(dpa)
-        return float(
-            accountant.compose(self.event(dpa, noise_multiplier, steps)).get_epsilon(self.delta)
-        )
+        with quiet_convergence_warnings():
+            composed = accountant.compose(self.event(dpa, noise_multiplier, steps))
+            return float(composed.get_epsilon(self.delta))
 
     def _check_supported(self, fn: str) -> None:
         dpa = _import_dp_accounting()
@@ -435,8 +465,8 @@ def noise_multiplier_for(
         fn, lambda sigma: setting.epsilon(sigma, steps), target_epsilon, accountant
     )
     dpa = _import_dp_accounting()
-    return float(
-        dpa.calibrate_dp_mechanism(
+    with quiet_convergence_warnings():
+        calibrated = dpa.calibrate_dp_mechanism(
             make_fresh_accountant=lambda: setting.fresh_accountant(dpa),
             make_event_from_param=lambda sigma: setting.event(dpa, sigma, steps),
             target_epsilon=target_epsilon,
@@ -444,7 +474,7 @@ def noise_multiplier_for(
             bracket_interval=dpa.ExplicitBracketInterval(low, high),
             tol=tolerance,
         )
-    )
+    return float(calibrated)
 
 
 def _bracket(

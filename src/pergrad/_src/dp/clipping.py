@@ -36,8 +36,10 @@ from pergrad._src.dp.clipping_policies import (
     num_groups,
 )
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, add_independent_gaussian
+from pergrad._src.dp.sampling import warn_if_mask_forgotten
 from pergrad._src.dp.types import ClippedSum
-from pergrad._src.errors import PergradValueError
+from pergrad._src.dp.users import check_user_ids, user_slots
+from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.norms import flat_leaves
 
 
@@ -208,6 +210,7 @@ def clipped_sum(
     mask: Any = None,
     axis_name: str | tuple[str, ...] | None = None,
     clipping: ClippingPolicy | None = None,
+    user_ids: Any = None,
 ) -> ClippedSum:
     """Sum over the batch of per-example gradients clipped to ``max_norm``.
 
@@ -227,12 +230,30 @@ def clipped_sum(
         over. ``grads`` are then this device's examples, and the result's ``sum``, ``count``
         and ``clip_fraction`` cover all devices (see :func:`pergrad.dp.psum_clipped`).
       clipping: the clipping policy, as for :func:`clip` (None: ``min(1, max_norm / norm)``).
+      user_ids: None (example-level), or ``(B,)`` non-negative integer user ids (an array of
+        the gradients' framework, on their device, or numpy) for user-level privacy: the
+        gradients of each user's examples are summed, and each user's sum is clipped, so
+        that one user moves ``sum`` by at most ``max_norm`` however many examples it has.
+        ``count`` is then the number of users, ``clip_fraction`` and ``nonfinite`` count
+        users, and ``norms`` holds each user's norm in the row of its first example in the
+        batch (0 in the other rows). Costs ``B x B x P`` arithmetic (a ``(B, B)`` grouping
+        matrix times the gradients), static shapes: it runs under ``jax.jit``. Not with
+        ``axis_name`` (a user's examples must be on one device).
 
     Returns:
       A :class:`ClippedSum`. An example whose gradient is not finite (inf or nan) contributes
-      nothing and is counted in ``nonfinite``; it still counts in ``count``.
+      nothing and is counted in ``nonfinite``; it still counts in ``count``. (With
+      ``user_ids``: its user contributes nothing.)
     """
     policy = check_clipping("clipped_sum", clipping)
+    if user_ids is not None:
+        if axis_name is not None:
+            raise PergradValueError(
+                "clipped_sum: user_ids cannot be combined with axis_name (each device would "
+                "clip its part of a user's examples on its own); keep each user's examples on "
+                "one device and sum the clipped sums, or pass axis_name=None."
+            )
+        return user_clipped_sum("clipped_sum", grads, max_norm, user_ids, mask, policy)
     if axis_name is not None:
         from pergrad._src.dp.psum import check_axis_name, psum_clipped
 
@@ -241,6 +262,7 @@ def clipped_sum(
         return psum_clipped(local, axis_name, func_name="clipped_sum")
     bk, _, flat, treedef, batch_size = flat_leaves("clipped_sum", grads)
     ids, bounds = clip_groups("clipped_sum", bk, grads, max_norm)
+    warn_if_mask_forgotten("clipped_sum", batch_size, mask)
     if mask is not None:
         _check_mask(bk, mask, batch_size)
     group_norms = _group_norms(flat, ids, len(bounds))
@@ -262,6 +284,44 @@ def clipped_sum(
     return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, weights)
 
 
+def user_clipped_sum(
+    func_name: str,
+    grads: Any,
+    max_norm: Any,
+    user_ids: Any,
+    mask: Any,
+    policy: ClippingPolicy | None,
+) -> ClippedSum:
+    """:func:`clipped_sum` at user level: each user's summed gradient clipped (see its
+    ``user_ids``). The users' sums ``slots @ g`` are clipped as examples are, each in the row
+    of its user's first example (``users.user_slots``), the other rows masked out."""
+    bk, _, flat, treedef, batch_size = flat_leaves(func_name, grads)
+    ids, bounds = clip_groups(func_name, bk, grads, max_norm)
+    user_ids = check_user_ids(func_name, bk, user_ids, batch_size, flat[0])
+    if mask is not None:
+        _check_mask(bk, mask, batch_size)
+    squared = sum(((f**2).sum(1) for f in flat[1:]), (flat[0] ** 2).sum(1))
+    finite = bk.isfinite(squared)
+    probe = flat[0].sum()  # a 0-d value in the gradients' dtype and device
+    unit = bk.where(bk.isfinite(probe), probe * 0 + 1, 1.0)
+    groups = user_slots(bk, user_ids, mask, unit)
+    if bk.known_all(finite) is not True:  # 0 * nan is nan: a non-finite row would reach all
+        flat = [bk.where(finite.reshape(batch_size, 1), f, 0.0) for f in flat]
+    user_sums = [groups.slots @ f for f in flat]
+    # a user with any non-finite example gets a nan norm, hence weight 0 (clip_weights)
+    user_finite = (groups.slots @ bk.where(finite, unit * 0, unit)) == 0
+    group_norms = [
+        bk.where(user_finite, norm, float("nan"))
+        for norm in _group_norms(user_sums, ids, len(bounds))
+    ]
+    weights = clip_weights(bk, group_norms, bounds, groups.real, policy)
+    summed = [
+        (weights.weights[g] @ s).reshape(bk.shape(leaf)[1:])
+        for s, leaf, g in zip(user_sums, bk.flatten(grads)[1], ids)
+    ]
+    return clip_statistics(bk, bk.unflatten(treedef, summed), group_norms, bounds, weights)
+
+
 def _check_mask(bk: Backend, mask: Any, batch_size: int) -> Any:
     if not bk.is_array(mask) or bk.shape(mask) != (batch_size,):
         shape = bk.shape(mask) if bk.is_array(mask) else type(mask).__name__
@@ -276,15 +336,36 @@ def add_noise(summed: Any, std: float, rng: Any) -> Any:
     """``summed`` plus independent Gaussian noise of standard deviation ``std`` per entry.
 
     Args:
-      summed: a pytree of arrays (e.g. :attr:`ClippedSum.sum`).
-      std: the noise standard deviation, ``noise_multiplier * sensitivity`` for DP-SGD.
+      summed: a pytree of arrays (e.g. :attr:`ClippedSum.sum`): the SUM of the clipped
+        gradients, not their mean. A :class:`ClippedSum` itself is refused (pass its ``.sum``).
+      std: the noise standard deviation, ``noise_multiplier * sensitivity`` for DP-SGD
+        (``sensitivity``: :attr:`ClippedSum.sensitivity`, the bound of one example's
+        contribution to the sum). Divide by the expected batch size AFTER the noise, as
+        :func:`private_mean` does: noise of this std added to a mean is that many times too
+        much, and a std divided by the batch size and added to the sum that many times too
+        little (the privacy claimed would not hold).
       rng: a JAX PRNG key, or a ``torch.Generator`` (None: torch's global generator). For real
         privacy, seed it from a secure source: ``torch.Generator().manual_seed(
         secrets.randbits(63))`` / ``jax.random.key(secrets.randbits(63))``; or pass
         :class:`pergrad.dp.SecureRandom` (both frameworks) to draw every value from the
         operating system's cryptographic source.
     """
+    if isinstance(summed, ClippedSum):
+        raise PergradTypeError(NOISE_THE_SUM)
     return add_independent_gaussian(summed, std, rng)
+
+
+NOISE_THE_SUM = """\
+add_noise: summed is a ClippedSum (the sum with its norms, count and sensitivity): noising it
+whole would noise the per-example norms and the count too, and release them. Noise the sum of
+the clipped gradients, with the std of that sum's sensitivity, then divide by the expected
+batch size:
+
+    noisy = pergrad.dp.add_noise(clipped.sum, noise_multiplier * clipped.sensitivity, rng)
+    grad = {name: value / expected_batch_size for name, value in noisy.items()}
+
+or call pergrad.dp.private_mean(grads, max_norm, noise_multiplier, rng, expected_batch_size),
+which does both."""
 
 
 def private_mean(
@@ -296,6 +377,7 @@ def private_mean(
     mask: Any = None,
     axis_name: str | tuple[str, ...] | None = None,
     clipping: ClippingPolicy | None = None,
+    user_ids: Any = None,
 ) -> tuple[Any, ClippedSum]:
     """The DP-SGD gradient: clip each example, sum, add noise, divide by the batch size.
 
@@ -317,6 +399,9 @@ def private_mean(
         (:meth:`~pergrad.dp.AdaptiveClipping.gradient_noise_multiplier`) to leave room for the
         noisy count that :meth:`~pergrad.dp.AdaptiveClipping.next_max_norm` releases: account
         with ``noise_multiplier``.
+      user_ids: None, or ``(B,)`` user ids for user-level privacy, as for :func:`clipped_sum`:
+        each user's summed gradient is clipped, and ``expected_batch_size`` (or, when None,
+        the count) is then the number of USERS.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient (like one example's gradient)
@@ -324,7 +409,9 @@ def private_mean(
     """
     check_private_settings("private_mean", noise_multiplier, expected_batch_size)
     policy = check_clipping("private_mean", clipping)
-    clipped = clipped_sum(grads, max_norm, mask=mask, axis_name=axis_name, clipping=policy)
+    clipped = clipped_sum(
+        grads, max_norm, mask=mask, axis_name=axis_name, clipping=policy, user_ids=user_ids
+    )
     multiplier = gradient_noise_multiplier(policy, noise_multiplier, num_groups(clipped.norms))
     return noisy_mean(clipped, multiplier, rng, expected_batch_size)[0], clipped
 

@@ -21,13 +21,18 @@ from pergrad._src.dp.clipping import (
     clip_weights,
     clipped_sum,
     noisy_mean,
+    user_clipped_sum,
 )
 from pergrad._src.dp.clipping_policies import (
+    AdaptiveClipping,
     ClippingPolicy,
+    check_adaptive_noise,
     check_clipping,
     gradient_noise_multiplier,
     num_groups,
 )
+from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, check_mechanism
+from pergrad._src.dp.sampling import warn_if_mask_forgotten
 from pergrad._src.errors import PergradValueError
 from pergrad._src.strategies import registry
 from pergrad._src.strategies.protocol import StrategyChoice
@@ -43,6 +48,7 @@ def clipped_sum_of(
     chunk_size: int | None = None,
     mask: Any = None,
     clipping: ClippingPolicy | None = None,
+    user_ids: Any = None,
 ) -> ClippedSum:
     """The sum of per-example gradients clipped to ``max_norm``, without materialising them.
 
@@ -69,6 +75,12 @@ def clipped_sum_of(
         ``c_i = min(1, max_norm / |g_i|)``, :func:`pergrad.dp.automatic` gives
         ``c_i = max_norm / (|g_i| + gamma)`` on every strategy (per group with per-group
         bounds), :func:`pergrad.dp.adaptive` clips at ``max_norm`` as None does.
+      user_ids: None (example-level), or ``(B,)`` non-negative integer user ids (an array of
+        the arguments' framework, or numpy) for user-level privacy: the sum over the batch's
+        users of each user's summed gradient, clipped to ``max_norm``, as
+        :func:`pergrad.dp.clipped_sum` with ``user_ids`` (``count`` is the number of users).
+        Computed from the per-example gradients (strategy ``"auto"`` or ``"materialize"``;
+        the ghost and chunked strategies clip examples, not users, and are refused by name).
 
     Differentiating through the result (meta-learning, a hypergradient) treats the clip
     factors as constants, as DP-SGD does; ``pergrad.dp.clipped_sum`` of materialised
@@ -101,17 +113,21 @@ def clipped_sum_of(
         chunk_size=chunk_size,
         mask=mask,
         clipping=clipping,
+        user_ids=user_ids,
     ).clipped
 
 
 class ClippedRun(NamedTuple):
     """What :func:`clipped_sum_run` returns: the clipped sum, the registry's plan for the call
-    (what :func:`choose_strategy` reports, with its reason) and the strategy that ran (the
-    plan's, or the one "auto" fell back to when it failed at run time)."""
+    (what :func:`choose_strategy` reports, with its reason), the strategy that ran (the
+    plan's, or the one "auto" fell back to when it failed at run time) and the ``(B,)``
+    per-example losses, detached, where that strategy computed them anyway (PyTorch's ghost
+    strategies; None elsewhere)."""
 
     clipped: ClippedSum
     choice: StrategyChoice
     strategy: str
+    losses: Any = None
 
 
 def clipped_sum_run(
@@ -124,11 +140,24 @@ def clipped_sum_run(
     chunk_size: int | None = None,
     mask: Any = None,
     clipping: ClippingPolicy | None = None,
+    user_ids: Any = None,
 ) -> ClippedRun:
     """:func:`clipped_sum_of`, with the plan and the strategy that ran (internal: for callers
     that report them, such as ``DPOptimizer``, from one assessment of the call)."""
     func_name = "clipped_sum_of"
     policy = check_clipping(func_name, clipping)
+    if user_ids is not None:
+        check_user_level_strategy(func_name, strategy)
+        if not isinstance(max_norm, (dict, list, tuple)):
+            check_positive(func_name, "max_norm", max_norm)
+        request, chosen = setup_reduce_request(
+            func_name, fn, args, argnums, in_axes, "materialize", chunk_size
+        )
+        if mask is not None:
+            check_mask(func_name, request.call, mask)
+        grads, ran = registry.execute("reduce", request, "materialize", chosen)
+        clipped = user_clipped_sum(func_name, grads, max_norm, user_ids, mask, policy)
+        return ClippedRun(clipped, StrategyChoice("materialize", USER_LEVEL_REASON), ran)
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group and getattr(max_norm, "shape", None) != ():
         check_positive(func_name, "max_norm", max_norm)  # before the call is analysed
@@ -145,6 +174,7 @@ def clipped_sum_run(
         grads, ran = registry.execute("reduce", request, strategy, chosen)
         clipped = clipped_sum(grads, max_norm, mask=mask, clipping=policy)
         return ClippedRun(clipped, chosen.choice, ran)
+    warn_if_mask_forgotten(func_name, call.batch_size, mask)
     ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [max_norm])
 
     def group_norms(squared: list[Any]) -> list[Any]:
@@ -168,7 +198,30 @@ def clipped_sum_run(
     summed = rebuild_grads(spec, call, reduction.weighted_sums)
     weights = clip_weights(call.backend, norms, bounds, mask, policy)
     clipped = clip_statistics(call.backend, summed, norms, bounds, weights)
-    return ClippedRun(clipped, chosen.choice, ran)
+    return ClippedRun(clipped, chosen.choice, ran, reduction.losses)
+
+
+USER_LEVEL_REASON = (
+    "user-level clipping (user_ids=): per-example gradients formed, summed per user, then "
+    "clipped; the ghost strategy does not group examples by user"
+)
+
+
+def check_user_level_strategy(func_name: str, strategy: Any) -> None:
+    """User-level clipping runs on per-example gradients: a named ghost or chunked strategy,
+    which clips examples, is refused rather than silently clipping the wrong unit."""
+    if strategy in ("auto", "materialize"):
+        return
+    if strategy in ("ghost", "ghost-lowmem", "chunked"):
+        raise PergradValueError(
+            f"{func_name}: strategy={strategy!r} cannot clip by user (user_ids=): it clips "
+            f"each example's gradient. User-level clipping forms the per-example gradients, "
+            f"sums them per user, then clips; pass strategy='auto' or 'materialize'."
+        )
+    raise PergradValueError(
+        f"{func_name}: strategy must be one of ['auto', 'materialize'] with user_ids=; got "
+        f"{strategy!r}."
+    )
 
 
 def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[Any]]:
@@ -197,7 +250,10 @@ def private_grad_of(
     strategy: str = "auto",
     chunk_size: int | None = None,
     clipping: ClippingPolicy | None = None,
-) -> tuple[Any, ClippedSum]:
+    user_ids: Any = None,
+    noise: NoiseMechanism | None = None,
+    noise_state: Any = None,
+) -> tuple[Any, ...]:
     """The DP-SGD gradient straight from the loss of one example, without per-example gradients.
 
     :func:`clipped_sum_of`, then Gaussian noise of std ``noise_multiplier * max_norm``, divided
@@ -222,10 +278,31 @@ def private_grad_of(
       clipping: as for :func:`pergrad.dp.private_mean`: under :func:`pergrad.dp.adaptive` the
         gradient's noise multiplier is raised to leave room for the noisy count that
         :meth:`~pergrad.dp.AdaptiveClipping.next_max_norm` releases.
+      user_ids: None, or ``(B,)`` user ids for user-level privacy, as for
+        :func:`clipped_sum_of`: each user's summed gradient is clipped, and
+        ``expected_batch_size`` is then the expected number of USERS per batch
+        (``sample_rate * number of users``, see :func:`pergrad.dp.poisson_user_batches`).
+      noise: the noise mechanism (None: :func:`pergrad.dp.gaussian`). One that keeps a state
+        across steps (correlated noise: :func:`pergrad.dp.toeplitz`, :func:`pergrad.dp.blt`)
+        needs ``noise_state``; without it such a mechanism is refused.
+      noise_state: None, or the mechanism's state: ``noise.init(template)`` (``template``
+        shaped like the differentiated argument) at the first step, then the state the last
+        call returned. Given, the call returns the next state too, as optax's ``update``
+        does; it is a pytree of arrays, so it goes through ``jax.jit``.
 
     Returns:
       ``(private_gradient, ClippedSum)``: the noisy mean gradient, shaped like the
-      differentiated argument, and the clipping statistics.
+      differentiated argument, and the clipping statistics; with ``noise_state``,
+      ``(private_gradient, ClippedSum, next_noise_state)``.
+
+    Example (correlated noise, a state threaded through the steps)::
+
+        mech = pergrad.dp.optimal_blt(steps=1000)
+        noise_state = mech.init(params)
+        for x, y in batches:                     # 1000 steps
+            grad, stats, noise_state = pergrad.dp.private_grad_of(
+                loss, params, x, y, max_norm=1.0, noise_multiplier=sigma, rng=key,
+                expected_batch_size=256, noise=mech, noise_state=noise_state)
 
     Example (JAX, with any optax optimizer)::
 
@@ -236,6 +313,7 @@ def private_grad_of(
     """
     check_private_settings("private_grad_of", noise_multiplier, expected_batch_size)
     policy = check_clipping("private_grad_of", clipping)
+    mechanism = check_noise_state("private_grad_of", noise, noise_state, policy)
     clipped = clipped_sum_of(
         fn,
         *args,
@@ -246,9 +324,39 @@ def private_grad_of(
         chunk_size=chunk_size,
         mask=mask,
         clipping=policy,
+        user_ids=user_ids,
     )
     multiplier = gradient_noise_multiplier(policy, noise_multiplier, num_groups(clipped.norms))
-    return noisy_mean(clipped, multiplier, rng, expected_batch_size)[0], clipped
+    state = () if noise_state is None else noise_state
+    noisy, next_state = noisy_mean(clipped, multiplier, rng, expected_batch_size, mechanism, state)
+    if noise_state is None:
+        return noisy, clipped
+    return noisy, clipped, next_state
+
+
+NOISE_STATE_NEEDED = """\
+{func_name}: noise={noise!r} keeps a state from step to step (its buffers of past draws and
+its step count), which {func_name} cannot keep between calls. Pass the state in and take the
+next one back, as optax's update does:
+
+    noise_state = noise.init(params)   # once, shaped like the differentiated argument
+    grad, stats, noise_state = pergrad.dp.{func_name}(..., noise=noise, noise_state=noise_state)
+
+Without it every call would restart the mechanism at its first step: the noise of the run
+would not be the one its accounting describes."""
+
+
+def check_noise_state(
+    func_name: str, noise: Any, noise_state: Any, policy: ClippingPolicy
+) -> NoiseMechanism:
+    """``noise`` as a mechanism; one that keeps a state (it overrides ``init``) is refused
+    without ``noise_state``, and adaptive clipping refuses any but Gaussian noise."""
+    mechanism = check_mechanism(func_name, noise)
+    if noise_state is None and type(mechanism).init is not NoiseMechanism.init:
+        raise PergradValueError(NOISE_STATE_NEEDED.format(func_name=func_name, noise=mechanism))
+    if isinstance(policy, AdaptiveClipping) and not isinstance(mechanism, GaussianNoise):
+        check_adaptive_noise(func_name, policy, mechanism, 1.0, 1)  # raises: not accounted
+    return mechanism
 
 
 def check_mask(func_name: str, call: Call, mask: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,12 @@ import numpy as np
 
 # sample_rate and steps mean the same here as in the accounting, and are checked the same way.
 from pergrad._src.dp.accounting import check_count, check_real, check_sample_rate
-from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.errors import (
+    PergradTypeError,
+    PergradValueError,
+    PrivacyWarning,
+    warn_from_caller,
+)
 
 
 def poisson_batches(
@@ -100,7 +106,9 @@ def pad_batch(indices: Any, max_batch_size: int) -> tuple[np.ndarray, np.ndarray
 
     The padded entries point at example 0 (a valid index, so gathering works) and ``mask`` is
     ``False`` there. Never truncate a batch that is too large instead: dropping examples
-    changes the sampling, and the privacy analysis no longer applies.
+    changes the sampling, and the privacy analysis no longer applies. Pass ``mask`` on to the
+    DP reduction: one that gets no mask for a batch of ``max_batch_size`` examples right after
+    ``pad_batch`` warns (:class:`pergrad.PrivacyWarning`), since the padding would then count.
 
     Args:
       indices: 1-D integer indices of one batch, shape ``(batch_size,)`` (a numpy array,
@@ -141,7 +149,39 @@ def pad_batch(indices: Any, max_batch_size: int) -> tuple[np.ndarray, np.ndarray
     padded[:batch_size] = indices
     mask = np.zeros(max_batch_size, dtype=bool)
     mask[:batch_size] = True
+    _last_padding.size = max_batch_size
     return padded, mask
+
+
+# The size pad_batch padded to last, in this thread, until a DP reduction has looked at it:
+# the padded indices lose their identity once they gather the data (x[padded]), so a
+# reduction that gets no mask can only tell a padded batch by its size.
+_last_padding = threading.local()
+
+
+def warn_if_mask_forgotten(func_name: str, batch_size: int, mask: Any) -> None:
+    """Says so, with a :class:`pergrad.PrivacyWarning`, when a DP reduction (``clipped_sum``,
+    ``optax_aggregate``, ``clipped_sum_of``, ``private_grad_of``) gets no ``mask`` for a batch
+    of exactly the size :func:`pad_batch` padded to last: its padding rows, copies of example
+    0, would count as real examples. Each :func:`pad_batch` is checked by the first reduction
+    after it, once (under ``jax.jit``, when the step is traced)."""
+    padded_size = getattr(_last_padding, "size", None)
+    if padded_size is None:
+        return
+    _last_padding.size = None
+    if mask is not None or batch_size != padded_size:
+        return
+    warn_from_caller(
+        f"{func_name}: got no mask for a batch of {batch_size} examples, the size "
+        f"pergrad.dp.pad_batch just padded a batch to. If this batch is padded, its padding "
+        f"rows (copies of example 0) count as real examples: the update changes, and example 0 "
+        f"contributes several times, past the clipping bound the privacy accounting assumes. "
+        f"Pass the mask pad_batch returned: tx.update(grads, state, params, mask=mask), "
+        f"clipped_sum(..., mask=mask), clipped_sum_of(..., mask=mask) or "
+        f"private_grad_of(..., mask=mask) (pergrad.dp.make_private_optax's loader yields "
+        f"(x, y, mask)). For a batch without padding, pass an all-True mask to say so.",
+        PrivacyWarning,
+    )
 
 
 def max_batch_size_for(

@@ -331,7 +331,8 @@ def check_run(
     )
 
 
-def _replay_for(run: Run) -> Any:
+def replay_for(run: Run) -> Any:
+    """The framework's ``Replay`` of ``run`` (it steps and differentiates the run)."""
     module = importlib.import_module(_REPLAY_MODULES[run.backend.name])
     return module.Replay(run)
 
@@ -401,7 +402,7 @@ def metagradient(
     caller = "metagradient"
     run = check_run(caller, loss, params0, data, batches, optimizer, normalize)
     checkpoint_every = _check_positive_int(caller, "checkpoint_every", checkpoint_every)
-    replay = _replay_for(run)
+    replay = replay_for(run)
     replay.check_target(target)
     return _reverse(run, replay, checkpoint_every)
 
@@ -435,15 +436,20 @@ def replay(
     """
     caller = "replay"
     run = check_run(caller, loss, params0, data, batches, optimizer, normalize)
-    weights = _check_weights(caller, weights, run.num_train)
-    machine = _replay_for(run)
+    weights = check_weights(caller, weights, run.num_train)
+    return replay_run(run, replay_for(run), weights)
+
+
+def replay_run(run: Run, machine: Any, weights: np.ndarray) -> Any:
+    """The final parameters (a pytree like ``params0``) of ``run`` with example ``weights``
+    (``(n_train,)``, checked), replayed step by step by ``machine`` (:func:`replay_for`)."""
     params, state = run.flat.vector, machine.init_state()
     for step, indices in enumerate(run.batches):
         params, state = machine.step(step, params, state, weights[indices])
     return run.flat.unravel(params)
 
 
-def _check_weights(caller: str, weights: Any, num_train: int) -> np.ndarray:
+def check_weights(caller: str, weights: Any, num_train: int) -> np.ndarray:
     if weights is None:
         return np.ones(num_train)
     if hasattr(weights, "detach"):

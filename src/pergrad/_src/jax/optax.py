@@ -23,7 +23,7 @@ from pergrad._src.dp.clipping_policies import (
 )
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.psum import check_axis_name
-from pergrad._src.errors import PergradTypeError
+from pergrad._src.errors import PergradTypeError, PergradValueError
 
 
 class PrivateAggregateState(NamedTuple):
@@ -59,6 +59,7 @@ def optax_aggregate(
                          optax.adam(1e-3))
         grads = pergrad.per_example_grads(loss)(params, x, y)
         updates, state = tx.update(grads, state, params, mask=mask)   # mask optional
+        # user-level privacy: tx.update(grads, state, params, user_ids=ids)
 
     Each step clips every example's gradient to ``max_norm`` (a number, or a pytree prefix of
     the gradients for per-layer bounds), sums, adds Gaussian noise of std
@@ -72,6 +73,14 @@ def optax_aggregate(
     poisoning the update: it contributes nothing, still counts in the batch (the accounting is
     unaffected: 0 is within the bound), and ``state.nonfinite`` counts such examples of the
     last step. Cost: one elementwise ``where`` over the per-example gradients.
+
+    **User-level privacy**: pass ``user_ids`` (``(B,)`` non-negative integer ids, one per
+    example) to ``update``: each user's summed gradient is clipped instead of each example's
+    (:func:`pergrad.dp.clipped_sum` with ``user_ids``; static shapes, so under ``jax.jit`` too,
+    with a traced ``user_ids``), ``expected_batch_size`` is then the expected number of USERS
+    per batch and ``state.count`` the users of the last step. Sample users with
+    :func:`pergrad.dp.poisson_user_batches` and account with its ``sample_rate``. Not with
+    ``axis_name`` or :func:`pergrad.dp.adaptive` clipping.
 
     Several devices: under ``jax.jit`` with the batch sharded over a mesh
     (:func:`pergrad.dp.shard_batch`) and the state replicated, it needs nothing more: each
@@ -126,11 +135,14 @@ def optax_aggregate(
         params: Any = None,
         *,
         mask: Any = None,
+        user_ids: Any = None,
         **extra: Any,
     ) -> tuple[Any, PrivateAggregateState]:
         del params, extra
         next_key, noise_key = jax.random.split(state.key)
-        stats = clipped_sum(updates, max_norm, mask=mask, axis_name=axis_name, clipping=policy)
+        stats = clipped_sum(
+            updates, max_norm, mask=mask, axis_name=axis_name, clipping=policy, user_ids=user_ids
+        )
         mean, noise_state = noisy_mean(
             stats, noise_multiplier, noise_key, expected_batch_size, mechanism, state.noise_state
         )
@@ -171,9 +183,15 @@ def _adaptive_aggregate(
         params: Any = None,
         *,
         mask: Any = None,
+        user_ids: Any = None,
         **extra: Any,
     ) -> tuple[Any, PrivateAggregateState]:
         del params, extra
+        if user_ids is not None:
+            raise PergradValueError(
+                "optax_aggregate: user_ids (user-level clipping) is not supported with "
+                "adaptive clipping yet; pass clipping=None (a fixed max_norm) or drop user_ids."
+            )
         next_key, noise_key, count_key = jax.random.split(state.key, 3)
         bounds = jax.tree_util.tree_leaves(state.max_norm)
         stats = clipped_sum(

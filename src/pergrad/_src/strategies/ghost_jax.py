@@ -138,9 +138,14 @@ def ghost(
         )
     for k, group in found.shared.items():
         squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
+    # a rule's cost.Certified norms: the estimates reported, estimate + bound clipped by
+    estimates, bounds = (list(column) for column in zip(*map(cost.split, squared)))
+    if all(b is None for b in bounds):
+        bounds = None
     if weights_from is None:
-        return Reduction(squared, None)
-    weights = per_leaf_weights(weights_from(squared), len(squared))
+        return Reduction(estimates, None, rounding_bounds=bounds)
+    upper = Reduction(estimates, None, rounding_bounds=bounds).upper_squared_norms()
+    weights = per_leaf_weights(weights_from(upper), len(squared))
     per_leaf = [jax.lax.stop_gradient(w) for w in weights]
     sums: list[Any] = [None] * len(squared)
     for k, g in found.grads.items():
@@ -157,7 +162,7 @@ def ghost(
         inputs = tuple(_weighted_rows(x, w) for x in found.shared_inputs[k])
         cotangents = tuple(_weighted_rows(d, w) for d in found.shared_cotangents[k])
         sums[k] = jax_contractions.tied_weighted_sum(group, found.values[k], inputs, cotangents, w)
-    return Reduction(squared, sums)
+    return Reduction(estimates, sums, rounding_bounds=bounds)
 
 
 def _weighted_rows(records: Any, weights: Any) -> Any:

@@ -176,20 +176,27 @@ def _reduce(
 ) -> Reduction:
     """:func:`ghost`'s norms and weighted sums from a captured pass, whose runs of the batch
     and first-call checks are all done."""
-    squared = found.squared
-    assert squared is not None
+    assert found.squared is not None
+    # the rules' rounding bounds (torch_quantities.LeafSquaredNorms): clip weights are formed
+    # from estimate + bound, an upper bound of each exact squared norm (cost.Certified)
+    bounds = getattr(found.squared, "bounds", None)
+    squared = list(found.squared)
+    losses = found.loss_values
     if weights_from is None:
-        return Reduction(squared, None)
+        return Reduction(squared, None, losses, bounds)
+    upper = Reduction(squared, None, rounding_bounds=bounds).upper_squared_norms()
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
     # weight: one weight-gradient computation, no second backward pass. A non-finite record
     # makes its example's squared norm non-finite, so when every norm is finite (one host sync)
     # no record needs cleaning before the weighted sums (see weighted_calls).
     finite = bool(torch.isfinite(sum(x.detach().float() for x in squared)).all())
     clean = None if finite else weighted_calls  # (looked up here: a benchmark replaces it)
-    groups = weight_groups(weights_from(squared), len(found.diff))
+    groups = weight_groups(weights_from(upper), len(found.diff))
     if low_memory:
-        return Reduction(squared, torch_passes.second_pass(loss, found, groups, clean))
-    return Reduction(squared, torch_quantities.weighted_sums(found, groups, clean))
+        sums = torch_passes.second_pass(loss, found, groups, clean)
+    else:
+        sums = torch_quantities.weighted_sums(found, groups, clean)
+    return Reduction(squared, sums, losses, bounds)
 
 
 def layerwise(

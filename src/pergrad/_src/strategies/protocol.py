@@ -36,10 +36,24 @@ class Reduction(NamedTuple):
       squared_norms: ``(B,)`` each example's squared gradient norm, one array per leaf.
       weighted_sums: ``sum_i w_i g_i`` one array per leaf (shaped like the leaf), or None when
         no weights were asked for.
+      losses: ``(B,)`` each example's loss, detached, where the strategy computed it in its
+        batched pass anyway (PyTorch's ghost strategies); None elsewhere.
+      rounding_bounds: per leaf, ``(B,)`` at least the rounding error of its squared norms,
+        where a ghost rule computed them in a fast precision (``capture/cost.Certified``),
+        else None; None: none for any leaf. ``squared_norms`` are the best estimates (what
+        ``per_example_norms_of`` reports); clip weights come from :meth:`upper_squared_norms`.
     """
 
     squared_norms: list[Any]
     weighted_sums: list[Any] | None
+    losses: Any = None
+    rounding_bounds: list[Any] | None = None
+
+    def upper_squared_norms(self) -> list[Any]:
+        """Each leaf's squared norms plus their rounding bound: at least the exact ones."""
+        if self.rounding_bounds is None:
+            return self.squared_norms
+        return [s if b is None else s + b for s, b in zip(self.squared_norms, self.rounding_bounds)]
 
 
 class LeafReduction(NamedTuple):

@@ -147,6 +147,7 @@ def check_same_across_ranks(
     group: Any,
     named_params: Mapping[str, torch.Tensor],
     settings: Mapping[str, float | str | None],
+    values: bool = True,
 ) -> None:
     """Raises unless every rank of ``group`` has the same parameters and ``settings``.
 
@@ -154,6 +155,8 @@ def check_same_across_ranks(
     (one CRC) and the settings (``max_norm``, ...); then one exact fingerprint per parameter
     (:func:`_fingerprint`). Costs one pass over the parameters' bytes, once, at construction.
     Every rank sees the same gathered values, so every rank raises the same error.
+    ``values=False`` compares the structure and settings only (an FSDP2 model's parameters
+    are shards, different on each rank by design).
     """
     names = list(named_params)
     header = [_structure(named_params), len(names), *(_float_bits(v) for v in settings.values())]
@@ -172,6 +175,8 @@ def check_same_across_ranks(
                 "Pass the global values (e.g. expected_batch_size = sample_rate * dataset "
                 "size) on every process."
             )
+    if not values:
+        return
     fingerprints = _all_gather([_fingerprint(named_params[name]) for name in names], group)
     for index, name in enumerate(names):
         column = [row[index] for row in fingerprints]

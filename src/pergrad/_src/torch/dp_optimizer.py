@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +30,7 @@ from pergrad._src.errors import (
     PrivacyWarning,
     warn_from_caller,
 )
+from pergrad._src.torch import fsdp
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -44,7 +46,8 @@ class DPStep:
     size, and how the clipped sum was computed (``"ghost"``, ``"ghost-lowmem"``, ``"chunked"``
     or ``"materialize"``: the strategy that ran, which :func:`pergrad.norms.choose_strategy`
     plans; where a planned ghost run fails its checks, the chunked one that stood in for it,
-    with a :class:`pergrad.FallbackWarning`). With ``distributed``, the
+    with a :class:`pergrad.FallbackWarning`; ``"ghost-fsdp"`` on a model sharded with FSDP2's
+    ``fully_shard``). With ``distributed``, the
     clip fraction and batch size are over all processes, the strategy this process's.
 
     ``skipped`` (with a ``scaler`` only): the loss scale overflowed, so the step drew no noise,
@@ -57,7 +60,14 @@ class DPStep:
     examples only.
 
     ``max_norm``: the bound this step clipped at (under :func:`pergrad.dp.adaptive`, the one
-    :attr:`DPOptimizer.max_norm` held before the step moved it)."""
+    :attr:`DPOptimizer.max_norm` held before the step moved it).
+
+    ``loss``: the mean of the examples' losses (over the step's micro-batches; with
+    ``distributed``, this process's examples), as the forward pass of the ghost strategies
+    (``"ghost"``, ``"ghost-lowmem"``) computed them: no extra forward pass, and no privacy
+    (print it, do not release it). None where the step ran another strategy (``"chunked"``,
+    ``"materialize"``, user-level clipping), on an empty batch, or when some micro-batch of
+    the step had no losses. A non-finite example's loss makes it nan or inf."""
 
     clip_fraction: float
     batch_size: int
@@ -65,6 +75,7 @@ class DPStep:
     skipped: bool = False
     nonfinite: int = 0
     max_norm: float | None = None
+    loss: float | None = None
 
 
 class DPOptimizer:
@@ -101,6 +112,17 @@ class DPOptimizer:
     from the same parameters (seed identically or :func:`pergrad.dp.broadcast_parameters`);
     construction checks that they are the same, as are ``max_norm``, ``noise_multiplier``,
     ``expected_batch_size`` and the accountant's settings.
+
+    **A model sharded with FSDP2** (``torch.distributed.fsdp.fully_shard``, its parameters
+    DTensor shards): pass ``distributed=True`` and the sharded model, and build the optimizer
+    over ``model.parameters()`` as for any FSDP2 model. Each process's per-example norms come
+    from its layers' inputs and output gradients (ghost, no gathered parameter kept); the
+    clipped sum is a backward pass of the clip-weighted losses, which FSDP's reduce-scatter
+    sums over the processes into each one's shard; the noise, from rank 0's ``generator``, is
+    the single-process noise, scattered by shard (:attr:`DPStep.strategy` ``"ghost-fsdp"``;
+    ``torch/fsdp.py``). Not yet: parameters outside every layer with a ghost rule, tied
+    weights, mixed precision (FSDP's ``MixedPrecisionPolicy`` or ``torch.autocast``),
+    correlated noise, HSDP meshes: each is refused with the reason.
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
@@ -249,7 +271,18 @@ class DPOptimizer:
         self._pending_unclipped = 0.0  # adaptive clipping: examples within the bound, this step
         self._pending_overflow = False  # some micro-batch's scaled gradients were not finite
         self._pending_strategy = "materialize"
+        # (sum, number) of the step's per-example losses so far; None once a micro-batch had none
+        self._pending_losses: tuple[float, int] | None = (0.0, 0)
+        self._micro_losses: tuple[float, int] | None = None  # the last micro-batch's
+        self._user_level: bool | None = None  # whether the steps take user_ids (set by the first)
+        self._pending_users: set[int] = set()  # the users of this step's micro-batches so far
         self.process_group = process_group_of("DPOptimizer", distributed)
+        # FSDP2 (fully_shard): parameters are DTensor shards (torch/fsdp.py)
+        self._sharded = (
+            fsdp.check_sharded_model("DPOptimizer", model, self.process_group, self.noise)
+            if fsdp.is_sharded(model)
+            else None
+        )
         if self.process_group is not None:
             check_same_across_ranks(
                 "DPOptimizer",
@@ -263,6 +296,7 @@ class DPOptimizer:
                     "accountant.sample_rate": getattr(accountant, "sample_rate", None),
                     "accountant.noise_multiplier": getattr(accountant, "noise_multiplier", None),
                 },
+                values=self._sharded is None,  # shards differ by design
             )
 
     @property
@@ -272,7 +306,7 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def accumulate(self, *batch: Any) -> DPStep:
+    def accumulate(self, *batch: Any, user_ids: Any = None) -> DPStep:
         """Clip one micro-batch and add it to the current logical step; no noise, no update.
 
         Gradient accumulation: call ``accumulate`` on every micro-batch of a logical batch but
@@ -280,7 +314,9 @@ class DPOptimizer:
         is clipped on its own, the noise is drawn once per logical step, the update divides
         by ``expected_batch_size`` (the logical batch's), and the accountant counts one step:
         the same as one :meth:`step` on the micro-batches put together, with the memory of one
-        micro-batch.
+        micro-batch. With ``user_ids`` (see :meth:`step`), each user's examples must all be in
+        one micro-batch of the step (a user met again is refused: its parts would be clipped
+        apart).
 
         Returns:
           The micro-batch's :class:`DPStep` (its clip fraction and size).
@@ -290,7 +326,7 @@ class DPOptimizer:
                 "DPOptimizer.accumulate: pass one micro-batch, the model inputs then the loss "
                 "function's targets, as for step()."
             )
-        clipped, strategy, overflow, unclipped = self._clipped(batch)
+        clipped, strategy, overflow, unclipped = self._clipped(batch, user_ids)
         self._pending_overflow = self._pending_overflow or overflow
         self._pending_unclipped += unclipped
         pending = self._pending
@@ -309,6 +345,12 @@ class DPOptimizer:
                 nonfinite=pending.nonfinite + clipped.nonfinite,
             )
         self._pending_strategy = strategy
+        micro, pending_losses = self._micro_losses, self._pending_losses
+        self._pending_losses = (
+            None
+            if micro is None or pending_losses is None
+            else (pending_losses[0] + micro[0], pending_losses[1] + micro[1])
+        )
         return DPStep(
             float(clipped.clip_fraction),
             int(clipped.count),
@@ -316,14 +358,31 @@ class DPOptimizer:
             overflow,
             int(clipped.nonfinite),
             self.max_norm,
+            _mean_loss(micro),
         )
 
-    def step(self, *batch: Any) -> DPStep:
+    def step(self, *batch: Any, user_ids: Any = None) -> DPStep:
         """One DP-SGD step on ``batch`` (the model inputs, then the loss function's targets);
         after :meth:`accumulate`, on the accumulated micro-batches and this one (or on those
-        alone, with no arguments)."""
+        alone, with no arguments).
+
+        ``user_ids``: None (example-level privacy), or a ``(B,)`` integer tensor or numpy
+        array, one non-negative user id per example, for user-level privacy: each user's
+        summed gradient is clipped to ``max_norm`` (as :func:`pergrad.dp.clipped_sum_of` with
+        ``user_ids``), ``expected_batch_size`` is then the expected number of USERS per batch,
+        the accountant's ``sample_rate`` the users' (:class:`pergrad.dp.UserPoissonBatchSampler`
+        draws such batches) and :attr:`DPStep.batch_size` the number of users. An optimizer
+        whose steps took ``user_ids`` refuses a step without them, and the reverse. The
+        per-example gradients are formed (the ghost strategy does not group users), said once
+        with a :class:`pergrad.FallbackWarning` under ``strategy="auto"``; not with
+        ``distributed`` or :func:`pergrad.dp.adaptive` clipping yet."""
         if batch:
-            self.accumulate(*batch)
+            self.accumulate(*batch, user_ids=user_ids)
+        elif user_ids is not None:
+            raise PergradTypeError(
+                "DPOptimizer.step: user_ids were passed without a batch; pass them with the "
+                "micro-batch they label (step(x, y, user_ids=ids) or accumulate(...))."
+            )
         elif self._pending is None:
             raise PergradTypeError(
                 "DPOptimizer.step: pass a batch (the model inputs, then the loss function's "
@@ -331,7 +390,9 @@ class DPOptimizer:
             )
         clipped, strategy = self._pending, self._pending_strategy
         overflow, self._pending, self._pending_overflow = self._pending_overflow, None, False
+        self._pending_users = set()
         unclipped, self._pending_unclipped = self._pending_unclipped, 0.0
+        losses, self._pending_losses = self._pending_losses, (0.0, 0)
         bound = self.max_norm
         if overflow:
             self._skip()
@@ -352,6 +413,7 @@ class DPOptimizer:
             skipped=overflow,
             nonfinite=int(clipped.nonfinite),
             max_norm=bound,
+            loss=_mean_loss(losses),
         )
 
     def _move_bound(self, unclipped: float, count: float) -> None:
@@ -400,9 +462,10 @@ class DPOptimizer:
         for param in params:
             param.grad = None
 
-    def _clipped(self, batch: tuple[Any, ...]) -> tuple[ClippedSum, str, bool]:
+    def _clipped(self, batch: tuple[Any, ...], user_ids: Any) -> tuple[ClippedSum, str, bool]:
         """The micro-batch's clipped sum (unscaled, non-finite examples zeroed), its strategy,
         and whether its scaled gradients overflowed (with a scaler, any non-finite example)."""
+        user_ids = self._check_user_ids(user_ids)
         # The step overwrites every trainable parameter's .grad: the last step's go first, or
         # they would be held through this step's backward pass (a model's worth of memory).
         for param in self.model.parameters():
@@ -413,15 +476,21 @@ class DPOptimizer:
             scale = self._scaled_loss.scale = self._scale()
         # Each loss times the scale gives each gradient times the scale: clipping those at
         # scale * max_norm and dividing the sum by the scale is unscaling, then clipping.
-        clipped, choice, ran = clipped_sum_run(
-            self._loss,
-            self._loss.params(),
-            *batch,
-            max_norm=self.max_norm * scale,
-            strategy=self.strategy,
-            chunk_size=self.chunk_size,
-            clipping=self.clipping.rescaled(scale),
-        )
+        if self._sharded is not None:  # (no scaler with distributed: scale is 1)
+            clipped, choice, ran, losses = fsdp.clipped_sum_run(
+                self._sharded, self._loss, batch, max_norm=self.max_norm, clipping=self.clipping
+            )
+        else:
+            clipped, choice, ran, losses = clipped_sum_run(
+                self._loss,
+                self._loss.params(),
+                *batch,
+                max_norm=self.max_norm * scale,
+                strategy=self.strategy,
+                chunk_size=self.chunk_size,
+                clipping=self.clipping.rescaled(scale),
+                user_ids=user_ids,
+            )
         self._warn_off_ghost(choice)
         unclipped: Any = 0.0
         if isinstance(self.clipping, AdaptiveClipping):
@@ -430,8 +499,16 @@ class DPOptimizer:
                 bk, [clipped.norms], [self.max_norm * scale], None
             )
         # The step's statistics, read from the device at once (one host sync, not one each).
-        clip_fraction, count, nonfinite, unclipped = host_numbers(
-            clipped.clip_fraction, clipped.count, clipped.nonfinite, unclipped
+        loss_sum: Any = 0.0 if losses is None else losses.float().sum()
+        clip_fraction, count, nonfinite, unclipped, loss_sum = host_numbers(
+            clipped.clip_fraction, clipped.count, clipped.nonfinite, unclipped, loss_sum
+        )
+        # the ghost strategies' losses (times the scale, under a scaler); none from the others,
+        # and an empty micro-batch has nothing to add
+        self._micro_losses = (
+            (loss_sum / scale, losses.numel())
+            if losses is not None
+            else ((0.0, 0) if count == 0 else None)
         )
         clipped = clipped._replace(clip_fraction=clip_fraction, count=count, nonfinite=nonfinite)
         if nonfinite and self._scaled_loss is None:
@@ -467,9 +544,53 @@ class DPOptimizer:
         device = next(iter(self._loss.params().values())).device
         return float(self.scaler.scale(torch.ones((), device=device)))
 
+    def _check_user_ids(self, user_ids: Any) -> Any:
+        """The micro-batch's user ids on the parameters' device (None: example-level), after
+        the checks that keep a run at one level and each user in one micro-batch of a step."""
+        level = user_ids is not None
+        if self._user_level is not None and level != self._user_level:
+            said = "without" if level else "with"
+            raise PergradValueError(
+                f"DPOptimizer: this optimizer's earlier steps were taken {said} user_ids, this "
+                f"one {'with' if level else 'without'}; a run is user-level (every step "
+                f"passes user_ids=) or example-level (none does), which its accounting assumes."
+            )
+        self._user_level = level
+        if not level:
+            return None
+        if self.process_group is not None or isinstance(self.clipping, AdaptiveClipping):
+            raise PergradValueError(
+                "DPOptimizer: user_ids (user-level clipping) is not supported with distributed "
+                "or with adaptive clipping yet; train in one process with a fixed max_norm."
+            )
+        if isinstance(user_ids, torch.Tensor):
+            device = next(iter(self._loss.params().values())).device
+            user_ids = user_ids.to(device)
+            ids = set(user_ids.tolist()) if user_ids.ndim == 1 else set()
+        else:
+            ids = set(np.asarray(user_ids).reshape(-1).tolist())
+        repeated = ids & self._pending_users
+        if repeated:
+            raise PergradValueError(
+                f"DPOptimizer.accumulate: user ids {sorted(repeated)[:5]} are in an earlier "
+                f"micro-batch of this step too; keep each user's examples in one micro-batch "
+                f"(its summed gradient is clipped as a whole)."
+            )
+        self._pending_users |= ids
+        return user_ids
+
     def _warn_off_ghost(self, choice: Any) -> None:
         """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
-        cannot take, or parameters without a rule whose per-example gradients are large)."""
+        cannot take, or parameters without a rule whose per-example gradients are large), or
+        user-level clipping formed the per-example gradients."""
+        if not self._warned_off_ghost and self.strategy == "auto" and self._user_level:
+            self._warned_off_ghost = True
+            warn_from_caller(
+                f"DPOptimizer: {choice.reason}. The steps form each micro-batch's per-example "
+                f"gradients (B x P memory: use accumulate() with smaller micro-batches if "
+                f"short of it). Said once per optimizer."
+            )
+            return
         if self._warned_off_ghost or self.strategy != "auto" or choice.strategy != "chunked":
             return
         self._warned_off_ghost = True
@@ -484,6 +605,12 @@ class DPOptimizer:
         with the noise drawn on rank 0 only."""
         group = self.process_group
         std = self.gradient_noise_multiplier * self.max_norm
+        if self._sharded is not None:  # each shard already sums every process's examples
+            noisy = fsdp.add_noise(clipped.sum, std, self.generator)
+            counts = all_reduce_totals(
+                {}, torch.as_tensor(clipped.count), torch.as_tensor(clipped.clip_fraction), group
+            )
+            return counts._replace(sum=noisy)
         if group is None or is_noise_rank(group):
             if self._noise_state is None:
                 self._noise_state = self.noise.init(clipped.sum)
@@ -527,12 +654,21 @@ def _warn_realised_batch_size(accountant: Any, expected_batch_size: Any) -> None
         return
     if accountant.sampling != "poisson" or accountant.sample_rate is None:
         return
+    groups = getattr(accountant.noise, "min_separation", None)
+    if accountant.noise.steps is None or accountant.noise.sample_rate is None or not groups:
+        sampling, fix = "Poisson sampling", "sample_rate * len(dataset)"
+    else:  # cyclic Poisson sampling: a step samples one of min_separation groups
+        sampling = f"cyclic Poisson sampling over min_separation={groups} groups"
+        fix = (
+            f"len(dataset) * sample_rate / min_separation (= len(dataset) * "
+            f"{accountant.sample_rate:g} / {groups}; CyclicPoissonBatchSampler."
+            f"expected_batch_size)"
+        )
     warn_from_caller(
-        f"DPOptimizer: the accountant assumes Poisson sampling (sample_rate="
+        f"DPOptimizer: the accountant assumes {sampling} (sample_rate="
         f"{accountant.sample_rate:g}), but expected_batch_size is None, so each step divides "
         f"by the realised batch size, which depends on the data and which the accounting does "
-        f"not cover. Pass expected_batch_size=sample_rate * len(dataset) (the global one when "
-        f"distributed).",
+        f"not cover. Pass expected_batch_size={fix} (the global one when distributed).",
         PrivacyWarning,
     )
 
@@ -568,6 +704,13 @@ def _check_scaler(scaler: Any, distributed: Any) -> torch.amp.GradScaler | None:
             "or train in one process."
         )
     return scaler if scaler.is_enabled() else None
+
+
+def _mean_loss(losses: tuple[float, int] | None) -> float | None:
+    """``sum / number`` of per-example losses; None where there are none."""
+    if losses is None or losses[1] == 0:
+        return None
+    return losses[0] / losses[1]
 
 
 def host_numbers(*values: Any) -> list[float]:

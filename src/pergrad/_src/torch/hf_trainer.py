@@ -21,7 +21,11 @@ from pergrad._src.dp.clipping import check_positive
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.torch.dp_optimizer import DPOptimizer
-from pergrad._src.torch.sampling import PoissonBatchSampler, collate_with_empty_batches
+from pergrad._src.torch.sampling import (
+    CyclicPoissonBatchSampler,
+    PoissonBatchSampler,
+    collate_with_empty_batches,
+)
 
 
 class _NoUpdate(torch.optim.Optimizer):
@@ -35,19 +39,20 @@ class _NoUpdate(torch.optim.Optimizer):
         return None
 
 
-class _PoissonMicroBatches(Sampler[list[int]]):
-    """One Poisson batch per optimizer step, cut into ``pieces`` micro-batches (some may be
-    empty), so the Trainer's gradient accumulation sees ``pieces`` batches per step."""
+class _MicroBatches(Sampler[list[int]]):
+    """One batch per optimizer step (Poisson or cyclic Poisson), cut into ``pieces``
+    micro-batches (some may be empty), so the Trainer's gradient accumulation sees ``pieces``
+    batches per step."""
 
-    def __init__(self, poisson: PoissonBatchSampler, pieces: int) -> None:
-        self.poisson = poisson
+    def __init__(self, batches: Sampler[list[int]], pieces: int) -> None:
+        self.batches = batches
         self.pieces = pieces
 
     def __len__(self) -> int:
-        return len(self.poisson) * self.pieces
+        return len(self.batches) * self.pieces  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.poisson:
+        for batch in self.batches:
             for piece in np.array_split(np.asarray(batch, dtype=np.int64), self.pieces):
                 yield piece.tolist()
 
@@ -94,6 +99,14 @@ class DPTrainer(transformers.Trainer):
       is added to every log. Give ``noise_multiplier``, or ``target_epsilon`` to have it
       calibrated for ``args.max_steps`` steps (when ``max_steps`` is not set, it becomes
       ``ceil(num_train_epochs / sample_rate)``).
+    - **Amplified banded noise** (``noise=pergrad.dp.toeplitz(..., min_separation=,
+      sample_rate=)``): the batches are drawn by cyclic Poisson sampling, as its accounting
+      assumes (:class:`pergrad.dp.CyclicPoissonBatchSampler`, the groups fixed for the
+      trainer's life); ``sample_rate`` and the steps come from the mechanism
+      (``args.max_steps`` unset becomes its ``steps``; more is refused), and the sum is divided
+      by ``len(train_dataset) * sample_rate / min_separation``. A mechanism accounted without
+      sampling (``blt``, ``optimal_blt``, ``toeplitz`` without ``sample_rate``) is refused: its
+      guarantee needs a fixed participation pattern, which Poisson batches do not keep.
 
     The model is not wrapped: evaluate or generate between steps as usual. Runs in one process
     (for data parallelism use ``DPOptimizer(distributed=True)`` in your own loop).
@@ -115,7 +128,8 @@ class DPTrainer(transformers.Trainer):
       target_epsilon: the epsilon to calibrate the noise for, or None with
         ``noise_multiplier``.
       delta: the delta of the guarantee (and of the logged epsilon), in (0, 1).
-      sample_rate: each example's probability of being in a step's batch, in (0, 1].
+      sample_rate: each example's probability of being in a step's batch, in (0, 1]; with a
+        mechanism made for one run (``noise.steps`` set), taken from it (given, it must agree).
       accountant: ``"rdp"`` (default) or ``"pld"``, as for :func:`pergrad.dp.epsilon`.
       label_name: the key of the targets in each collated batch (default ``"labels"``); the
         other keys go to the model as keyword arguments.
@@ -179,6 +193,9 @@ class DPTrainer(transformers.Trainer):
                 f"draws a coin per example); got {type(train_dataset).__name__}."
             )
         n = len(train_dataset)
+        noise = check_mechanism(name, noise)
+        if noise.steps is not None:  # a mechanism made for one run: its sampling and steps
+            sample_rate = _sampling_of_run(name, noise, sample_rate, args)
         if sample_rate is None:
             sample_rate = min(
                 1.0, args.per_device_train_batch_size * args.gradient_accumulation_steps / n
@@ -188,8 +205,9 @@ class DPTrainer(transformers.Trainer):
             raise PergradValueError(f"{name}: sample_rate must be in (0, 1]; got {sample_rate}.")
         if args.max_steps is None or args.max_steps <= 0:
             args.max_steps = math.ceil(args.num_train_epochs / sample_rate)
-        steps = int(args.max_steps)
-        noise = check_mechanism(name, noise)
+        steps = int(args.max_steps) if noise.steps is None else noise.steps
+        #: the number of groups of cyclic Poisson sampling (None: Poisson over all the data)
+        self.cyclic_groups: int | None = _cyclic_groups(noise)
         if target_epsilon is not None:
             noise_multiplier = noise_multiplier_for(
                 target_epsilon, delta, sample_rate, steps, accountant, noise=noise
@@ -201,6 +219,9 @@ class DPTrainer(transformers.Trainer):
         self.sample_rate = float(sample_rate)
         self.report_loss = bool(report_loss)
         self.sampling_generator = sampling_generator
+        self._batch_sampler: Sampler[list[int]] | None = None  # cyclic: made once, kept
+        #: what each step's sum is divided by: the mean batch size of the sampling
+        self.expected_batch_size = self.sample_rate * n / (self.cyclic_groups or 1)
         self.accountant = Accountant(noise_multiplier, sample_rate, delta, accountant, noise=noise)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.dp_optimizer = DPOptimizer(
@@ -209,7 +230,7 @@ class DPTrainer(transformers.Trainer):
             loss_fn,
             max_norm=max_norm,
             noise_multiplier=noise_multiplier,
-            expected_batch_size=self.sample_rate * n,
+            expected_batch_size=self.expected_batch_size,
             generator=_fresh_generator(args.device) if noise_generator is None else noise_generator,
             accountant=self.accountant,
             noise=noise,
@@ -227,16 +248,29 @@ class DPTrainer(transformers.Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        poisson = PoissonBatchSampler(
-            len(dataset), self.sample_rate, int(self.args.max_steps), self.sampling_generator
-        )
         return DataLoader(
             dataset,
-            batch_sampler=_PoissonMicroBatches(poisson, self.args.gradient_accumulation_steps),
+            batch_sampler=_MicroBatches(
+                self._batches(len(dataset)), self.args.gradient_accumulation_steps
+            ),
             collate_fn=collate_with_empty_batches(dataset, collator),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+
+    def _batches(self, num_examples: int) -> Sampler[list[int]]:
+        """The step's batches as the accounting assumes them: Poisson over all the examples,
+        or, for an amplified banded mechanism, cyclic Poisson (one sampler for the trainer's
+        life, so that its groups stay and a second ``train()`` continues the cycle)."""
+        if self.cyclic_groups is None:
+            return PoissonBatchSampler(
+                num_examples, self.sample_rate, int(self.args.max_steps), self.sampling_generator
+            )
+        if self._batch_sampler is None:
+            self._batch_sampler = CyclicPoissonBatchSampler(
+                num_examples, generator=self.sampling_generator, noise=self.accountant.noise
+            )
+        return self._batch_sampler
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -266,3 +300,52 @@ class DPTrainer(transformers.Trainer):
         if self.accountant.steps > 0:
             logs["epsilon"] = self.accountant.epsilon()
         super().log(logs, *args, **kwargs)
+
+
+UNSAMPLED_MECHANISM = """\
+DPTrainer: noise={noise!r} is accounted as one Gaussian release for a fixed participation
+pattern (each example in at most {participations} steps, at least {separation} apart), but
+DPTrainer draws Poisson batches, which put an example in any number of steps, any distance
+apart: the epsilon would not hold. Use noise accounted for sampling: pergrad.dp.gaussian(), or
+amplified banded noise with cyclic Poisson sampling, which DPTrainer then draws:
+
+    noise = pergrad.dp.toeplitz(coefs, steps=max_steps, min_separation=b, sample_rate=q)
+
+or run pergrad.dp.DPOptimizer(noise=...) in a loop of your own over batches in a fixed order
+(each example once per epoch, min_separation = steps per epoch)."""
+
+
+def _sampling_of_run(name: str, noise: NoiseMechanism, sample_rate: Any, args: Any) -> float:
+    """The sample rate of a mechanism made for one run, checked against the caller's
+    ``sample_rate`` and ``args.max_steps`` (unset: it becomes the mechanism's steps)."""
+    if noise.sample_rate is None:
+        raise PergradValueError(
+            UNSAMPLED_MECHANISM.format(
+                noise=noise,
+                participations=getattr(noise, "participations", "?"),
+                separation=getattr(noise, "min_separation", None) or 1,
+            )
+        )
+    if sample_rate is not None and sample_rate != noise.sample_rate:
+        raise PergradValueError(
+            f"{name}: sample_rate={sample_rate!r} disagrees with noise={noise!r}, whose "
+            f"sample_rate is {noise.sample_rate!r} (the rate its accounting assumes); leave "
+            "sample_rate out: it is taken from noise."
+        )
+    if args.max_steps is None or args.max_steps <= 0:
+        args.max_steps = noise.steps
+    elif args.max_steps > noise.steps:
+        raise PergradValueError(
+            f"{name}: args.max_steps={args.max_steps} is more than the steps={noise.steps} "
+            f"noise={noise!r} is made for (it refuses a step past them). Set max_steps <= "
+            f"{noise.steps}, or leave it unset, or make the mechanism for {args.max_steps} steps."
+        )
+    return noise.sample_rate
+
+
+def _cyclic_groups(noise: NoiseMechanism) -> int | None:
+    """The number of groups of the cyclic Poisson sampling ``noise`` is accounted for, or None
+    (Poisson sampling over all the examples)."""
+    if noise.steps is None or noise.sample_rate is None:
+        return None
+    return getattr(noise, "min_separation", None)

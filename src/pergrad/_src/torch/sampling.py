@@ -12,7 +12,8 @@ Across processes, each one passes ``num_replicas=world_size, rank=rank`` and get
 of every batch; the union of the shards is the Poisson batch.
 
 ``CyclicPoissonBatchSampler`` draws the cyclic Poisson batches that a banded mechanism made with
-``sample_rate`` is accounted for (:mod:`pergrad._src.dp.cyclic`).
+``sample_rate`` is accounted for (:mod:`pergrad._src.dp.cyclic`); ``UserPoissonBatchSampler``
+samples users, with their examples, for user-level DP (:mod:`pergrad._src.dp.users`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.data.dataloader import default_collate
 from pergrad._src.dp.accounting import check_count, check_sample_rate
 from pergrad._src.dp.cyclic import group_members, resolve_cyclic_sampling
 from pergrad._src.dp.noise import NoiseMechanism
+from pergrad._src.dp.users import check_cap, user_members
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 
@@ -203,6 +205,94 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
             f"CyclicPoissonBatchSampler(num_examples={self.num_examples}, "
             f"sample_rate={self.sample_rate:g}, min_separation={self.min_separation}, "
             f"steps={self.steps}{shard})"
+        )
+
+
+class UserPoissonBatchSampler(Sampler[list[int]]):
+    """Yields batches of indices Poisson-sampled by USER, for ``DataLoader(batch_sampler=)``:
+    the sampling of user-level DP-SGD.
+
+    Example::
+
+        sampler = UserPoissonBatchSampler(user_ids, sample_rate=64 / num_users, steps=1000)
+        loader = DataLoader(dataset, batch_sampler=sampler,      # dataset[i]: (x, y, user)
+                            collate_fn=collate_with_empty_batches(dataset))
+        opt = pergrad.dp.DPOptimizer(..., expected_batch_size=sampler.expected_batch_size)
+        for x, y, users in loader:
+            opt.step(x, y, user_ids=users)
+
+    In every batch each distinct user is included independently with probability
+    ``sample_rate``, with all its examples or, with ``max_examples_per_user=k``, a uniform
+    random subset of ``min(k, n_u)`` of them drawn afresh each step (the sampling of
+    :func:`pergrad.dp.poisson_user_batches`). The number of users per batch varies, mean
+    :attr:`expected_batch_size`; a batch may be empty (``[]``, yielded, not skipped). Account
+    with this ``sample_rate`` (users sampled / number of users). One process only.
+
+    ``len(sampler) == steps``; iterating again draws new batches. Each step draws one uniform
+    number per user.
+
+    Args:
+      user_ids: ``(N,)`` non-negative integer user ids, one per example of the dataset (a
+        tensor, numpy array or list).
+      sample_rate: each user's inclusion probability, in ``(0, 1]``.
+      steps: batches per pass over the sampler, an int ``>= 0``.
+      generator: a ``torch.Generator``, or ``None`` (default) for one seeded from the
+        operating system's secure source (see ``PoissonBatchSampler``).
+      max_examples_per_user: None (all of a sampled user's examples), or an int ``>= 1``.
+    """
+
+    def __init__(
+        self,
+        user_ids: Any,
+        sample_rate: float,
+        steps: int,
+        generator: torch.Generator | None = None,
+        *,
+        max_examples_per_user: int | None = None,
+    ) -> None:
+        super().__init__()
+        fn = "UserPoissonBatchSampler"
+        if isinstance(user_ids, torch.Tensor):
+            user_ids = user_ids.detach().cpu().numpy()
+        self._members = [torch.from_numpy(m) for m in user_members(fn, user_ids)]
+        self.sample_rate = check_sample_rate(fn, sample_rate)
+        self.steps = check_count(fn, "steps", steps, minimum=0)
+        self.max_examples_per_user = check_cap(fn, max_examples_per_user)
+        self.generator = _check_generator(fn, generator)
+
+    @property
+    def num_users(self) -> int:
+        """The number of distinct users in the dataset."""
+        return len(self._members)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The expected number of users per batch, ``sample_rate * num_users``: pass it to
+        ``DPOptimizer(expected_batch_size=)``."""
+        return self.sample_rate * self.num_users
+
+    def __iter__(self) -> Iterator[list[int]]:
+        cap = self.max_examples_per_user
+        for _ in range(self.steps):
+            draws = torch.rand(self.num_users, generator=self.generator)
+            picked = []
+            for user in torch.nonzero(draws < self.sample_rate).flatten().tolist():
+                examples = self._members[user]
+                if cap is not None and examples.numel() > cap:
+                    order = torch.randperm(examples.numel(), generator=self.generator)
+                    examples = examples[order[:cap]]
+                picked.append(examples)
+            yield torch.cat(picked).sort().values.tolist() if picked else []
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __repr__(self) -> str:
+        cap = self.max_examples_per_user
+        return (
+            f"UserPoissonBatchSampler(num_users={self.num_users}, "
+            f"sample_rate={self.sample_rate:g}, steps={self.steps}"
+            f"{'' if cap is None else f', max_examples_per_user={cap}'})"
         )
 
 

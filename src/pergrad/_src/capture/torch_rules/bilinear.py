@@ -57,7 +57,7 @@ def bilinear_weighted_sum(
     name="bilinear",
     per_example=bilinear_per_example,
     weighted_sum=bilinear_weighted_sum,
-    route=lambda layer: formed_or_gram_route(_widths(layer), "|d|^2 |x1|^2 |x2|^2"),
+    route=lambda layer: formed_or_gram_route(_widths(layer), "|d|^2 |x1|^2 |x2|^2", float64=True),
 )
 def bilinear_squared_norms(layer: nn.Bilinear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     x1, x2, d = _positions(layer, calls)
