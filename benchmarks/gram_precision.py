@@ -7,7 +7,7 @@ computed in float64 (float32 rounds badly where per-position gradients cancel). 
 one run, medians of 7 (interleaved), on float32 inputs: the float32 Gram route it replaced, the
 float64 one pergrad uses (in T x T blocks), forming the per-example gradient ``a^T d`` instead,
 the layer's own forward pass as the unit of cost, and what pergrad's per-layer cost model
-(``torch_layers.gram_is_cheaper``, issue 19) picks and costs.
+(``cost.gram_is_cheaper``, issue 19) picks and costs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from pergrad._src.capture import torch_layers
+from pergrad._src.capture import torch_layers, torch_norms
 from pergrad.bench.report import markdown_table, publish, sentence_header
 from pergrad.bench.timing import median_ms, time_interleaved
 
@@ -36,7 +36,7 @@ SHAPES = [
 
 
 def float64_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return torch_layers._blocked_gram(a.double(), d.double())  # noqa: SLF001
+    return torch_norms._blocked_gram(a.double(), d.double())  # noqa: SLF001
 
 
 def float32_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ def main() -> None:
         }
         times = time_interleaved(methods, args.rounds, warmup=1)
         ms = {name: median_ms(t) for name, t in times.items()}
-        taken = "Gram" if torch_layers.gram_is_cheaper(length, width_in, width_out) else "formed"
+        taken = "Gram" if torch_norms.gram_is_cheaper(length, width_in, width_out) else "formed"
         rows.append(
             [str(batch), str(length), str(width_in), str(width_out)]
             + [f"{ms[name]:.2f}" for name in ("f32", "f64", "formed", "forward")]

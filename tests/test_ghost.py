@@ -748,26 +748,26 @@ def test_outer_product_squared_norms_equal_the_formed_gradient(
 ):
     """Both branches (Gram matrices where they are cheaper, in blocks of T; the formed a^T d
     otherwise), float64."""
-    from pergrad._src.capture import cost, torch_layers
+    from pergrad._src.capture import cost, torch_layers, torch_norms
 
     generator = torch.Generator().manual_seed(batch * 1000 + positions * 10 + p)
     a = torch.randn(batch, groups, positions, p, generator=generator, dtype=torch.float64)
     d = torch.randn(batch, groups, positions, q, generator=generator, dtype=torch.float64)
     formed = torch.einsum("bgtp,bgtq->bgpq", a, d)
     expected = (formed**2).sum((1, 2, 3))
-    saved = torch_layers.GRAM_BLOCK_BYTES
-    torch_layers.GRAM_BLOCK_BYTES = block_bytes
+    saved = torch_norms.GRAM_BLOCK_BYTES
+    torch_norms.GRAM_BLOCK_BYTES = block_bytes
     try:
         result = torch_layers.outer_product_squared_norms(a, d)
     finally:
-        torch_layers.GRAM_BLOCK_BYTES = saved
+        torch_norms.GRAM_BLOCK_BYTES = saved
     result, _ = cost.split(result)  # the estimate of a certified pair
     assert_close(t_numpy(result), t_numpy(expected), rtol=1e-12)
 
 
 def test_the_gram_route_is_taken_where_it_is_cheaper():
     """The measured cost model (benchmarks/gram_precision.py): GPT-2-like shapes."""
-    from pergrad._src.capture.torch_layers import gram_is_cheaper
+    from pergrad._src.capture.cost import gram_is_cheaper
 
     assert gram_is_cheaper(64, 256, 1024)  # measured 6.2 ms Gram vs 16.1 ms formed
     assert gram_is_cheaper(32, 768, 768)  # 1.8 vs 30.8

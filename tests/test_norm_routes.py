@@ -71,7 +71,7 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     from torch import nn
 
     from _reference import torch_flat_norms, torch_module_loop_grads
-    from pergrad._src.capture import cost, torch_layers
+    from pergrad._src.capture import cost, torch_norms
 
     width = 32
     limit = brute_force_limit(width, width, cost.FLOAT64_COST)
@@ -84,9 +84,9 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     assert f"up to {limit} positions" in route
 
     grams = []
-    original = torch_layers._gram_in
+    original = torch_norms._gram_in
     monkeypatch.setattr(
-        torch_layers, "_gram_in", lambda a, d, unit: grams.append(a.shape) or original(a, d, unit)
+        torch_norms, "_gram_in", lambda a, d, unit: grams.append(a.shape) or original(a, d, unit)
     )
     norms = pergrad.norms.per_example_norms_of(loss, loss.params(), X, Y, strategy="ghost")
     # layer 0 sees `positions` tokens per example; layer 2 one (its own closed form)

@@ -90,7 +90,7 @@ _LAZY = {
     "shard_batch": "pergrad._src.jax.sharding",
     "shard_params": "pergrad._src.jax.sharding",
     "DPOptimizer": "pergrad._src.torch.dp_optimizer",
-    "DPStep": "pergrad._src.torch.dp_optimizer",
+    "DPStep": "pergrad._src.torch.dp_step",
     "DPTrainer": "pergrad._src.torch.hf_trainer",
     "broadcast_parameters": "pergrad._src.torch.distributed",
     "PoissonBatchSampler": "pergrad._src.torch.sampling",

@@ -27,14 +27,20 @@ when a function here is called, not when pergrad is imported.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import numbers
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pergrad._src.dp.accounting_checks import (
+    check_choice,
+    check_count,
+    check_delta,
+    check_noise_multiplier_value,
+    check_real,
+    check_sample_rate,
+    import_dp_accounting,
+    quiet_convergence_warnings,
+)
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
@@ -45,105 +51,6 @@ SAMPLINGS = ("poisson", "fixed")
 # training run is sensible, and an unreachable target would otherwise search forever.
 _MIN_NOISE_MULTIPLIER = 2.0**-20
 _MAX_NOISE_MULTIPLIER = 2.0**20
-
-
-# dp_accounting's RDP accountant logs this through absl when the series for one fractional
-# order does not converge; it then leaves that order out of the minimum over orders, so the
-# epsilon is still a valid (at most slightly looser) bound. Nothing is wrong, yet every
-# epsilon / noise_multiplier_for call printed several such lines.
-_NOT_CONVERGED = "_compute_log_a_frac failed to converge"
-
-
-class _NotConvergedFilter(logging.Filter):
-    """Drops the RDP accountant's "failed to converge" records, and only those."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_NOT_CONVERGED)
-
-
-@contextlib.contextmanager
-def quiet_convergence_warnings() -> Iterator[None]:
-    """Silences dp_accounting's "failed to converge" warnings while the block runs; every other
-    record of absl's logger (a negative Rényi divergence, PLD's notes) still gets through."""
-    logger = logging.getLogger("absl")
-    dropped = _NotConvergedFilter()
-    logger.addFilter(dropped)
-    try:
-        yield
-    finally:
-        logger.removeFilter(dropped)
-
-
-def _import_dp_accounting() -> Any:
-    try:
-        import dp_accounting
-    except ImportError as err:
-        raise ImportError(
-            "pergrad's privacy accounting needs Google's dp-accounting library, which is not "
-            "installed. Install it with: pip install 'pergrad[dp]'"
-        ) from err
-    return dp_accounting
-
-
-# --- validation -------------------------------------------------------------------------
-
-
-def check_real(fn: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PergradTypeError(
-            f"{fn}: {name} must be a real number, got {type(value).__name__} {value!r}."
-        )
-    value = float(value)
-    if math.isnan(value):
-        raise PergradValueError(f"{fn}: {name} must be a number, got nan.")
-    return value
-
-
-def _check_noise_multiplier(fn: str, noise_multiplier: Any) -> float:
-    value = check_real(fn, "noise_multiplier", noise_multiplier)
-    if not 0.0 <= value < math.inf:
-        raise PergradValueError(
-            f"{fn}: noise_multiplier must be finite and >= 0 (the noise standard deviation "
-            f"divided by the clipping norm), got {noise_multiplier!r}."
-        )
-    return value
-
-
-def check_sample_rate(fn: str, sample_rate: Any) -> float:
-    value = check_real(fn, "sample_rate", sample_rate)
-    if not 0.0 < value <= 1.0:
-        raise PergradValueError(
-            f"{fn}: sample_rate must be in (0, 1] (the probability that an example is in a "
-            f"batch, e.g. batch_size / num_examples), got {sample_rate!r}."
-        )
-    return value
-
-
-def _check_delta(fn: str, delta: Any) -> float:
-    value = check_real(fn, "delta", delta)
-    if not 0.0 < value < 1.0:
-        raise PergradValueError(
-            f"{fn}: delta must be in (0, 1), typically well below 1 / num_examples, got {delta!r}."
-        )
-    return value
-
-
-def check_count(fn: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        hint = f" (e.g. math.ceil({value!r}))" if isinstance(value, float) else ""
-        raise PergradTypeError(
-            f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}{hint}."
-        )
-    if value < minimum:
-        raise PergradValueError(f"{fn}: {name} must be >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_choice(fn: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        options = " or ".join(repr(choice) for choice in choices)
-        raise PergradValueError(f"{fn}: {name} must be {options}, got {value!r}.")
-    return value
 
 
 @dataclass(frozen=True)
@@ -173,9 +80,9 @@ class _Setting:
         noise: Any = None,
     ) -> _Setting:
         mechanism = check_mechanism(fn, noise)
-        delta = _check_delta(fn, delta)
-        _check_choice(fn, "accountant", accountant, ACCOUNTANTS)
-        _check_choice(fn, "sampling", sampling, SAMPLINGS)
+        delta = check_delta(fn, delta)
+        check_choice(fn, "accountant", accountant, ACCOUNTANTS)
+        check_choice(fn, "sampling", sampling, SAMPLINGS)
         if sample_rate is None:  # _resolve_run allows it for a mechanism without sampling only
             if sampling != "poisson":
                 raise PergradValueError(
@@ -231,14 +138,14 @@ class _Setting:
     def epsilon(self, noise_multiplier: float, steps: int) -> float:
         if steps == 0:
             return 0.0  # nothing released; dp_accounting's conversion would report a small floor
-        dpa = _import_dp_accounting()
+        dpa = import_dp_accounting()
         accountant = self.fresh_accountant(dpa)
         with quiet_convergence_warnings():
             composed = accountant.compose(self.event(dpa, noise_multiplier, steps))
             return float(composed.get_epsilon(self.delta))
 
     def _check_supported(self, fn: str) -> None:
-        dpa = _import_dp_accounting()
+        dpa = import_dp_accounting()
         event = self.event(dpa, 1.0, 1)
         if self.fresh_accountant(dpa).supports(event):
             return
@@ -387,7 +294,7 @@ def epsilon(
       ValueError, TypeError: an argument out of range or of the wrong type; the message names it.
     """
     fn = "epsilon"
-    noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
+    noise_multiplier = check_noise_multiplier_value(fn, noise_multiplier)
     delta = _require_delta(fn, delta)
     mechanism = check_mechanism(fn, noise)
     sample_rate, steps = _resolve_run(fn, mechanism, sample_rate, steps)
@@ -464,7 +371,7 @@ def noise_multiplier_for(
     low, high = _bracket(
         fn, lambda sigma: setting.epsilon(sigma, steps), target_epsilon, accountant
     )
-    dpa = _import_dp_accounting()
+    dpa = import_dp_accounting()
     with quiet_convergence_warnings():
         calibrated = dpa.calibrate_dp_mechanism(
             make_fresh_accountant=lambda: setting.fresh_accountant(dpa),
@@ -557,7 +464,7 @@ class Accountant:
         noise: NoiseMechanism | None = None,
     ) -> None:
         fn = "Accountant"
-        self._noise_multiplier = _check_noise_multiplier(fn, noise_multiplier)
+        self._noise_multiplier = check_noise_multiplier_value(fn, noise_multiplier)
         delta = _require_delta(fn, delta)
         mechanism = check_mechanism(fn, noise)
         sample_rate, _ = _resolve_run(fn, mechanism, sample_rate, None, with_steps=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,7 +12,7 @@ from torch import nn
 from pergrad._src.backends import backend_of
 from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.core.module_loss import module_loss
-from pergrad._src.dp.accounting import Accountant, check_accountant_noise
+from pergrad._src.dp.accounting import check_accountant_noise
 from pergrad._src.dp.clipping import ClippedSum, check_noise_multiplier, check_positive
 from pergrad._src.dp.clipping_policies import (
     AdaptiveClipping,
@@ -27,7 +26,6 @@ from pergrad._src.errors import (
     NonFiniteWarning,
     PergradTypeError,
     PergradValueError,
-    PrivacyWarning,
     warn_from_caller,
 )
 from pergrad._src.torch import fsdp
@@ -38,44 +36,15 @@ from pergrad._src.torch.distributed import (
     is_noise_rank,
     process_group_of,
 )
-
-
-@dataclass(frozen=True)
-class DPStep:
-    """What one private step did: the share of examples whose gradient was clipped, the batch
-    size, and how the clipped sum was computed (``"ghost"``, ``"ghost-lowmem"``, ``"chunked"``
-    or ``"materialize"``: the strategy that ran, which :func:`pergrad.norms.choose_strategy`
-    plans; where a planned ghost run fails its checks, the chunked one that stood in for it,
-    with a :class:`pergrad.FallbackWarning`; ``"ghost-fsdp"`` on a model sharded with FSDP2's
-    ``fully_shard``). With ``distributed``, the
-    clip fraction and batch size are over all processes, the strategy this process's.
-
-    ``skipped`` (with a ``scaler`` only): the loss scale overflowed, so the step drew no noise,
-    left the parameters as they were and halved the scale (for :meth:`DPOptimizer.accumulate`:
-    this micro-batch overflowed, so the step it belongs to will be skipped).
-
-    ``nonfinite``: how many examples had a gradient that was not finite (inf or nan). Without a
-    scaler each was zeroed: it contributed nothing, and still counts in ``batch_size``. With a
-    scaler they are the overflow that skipped the step. With ``distributed``, this process's
-    examples only.
-
-    ``max_norm``: the bound this step clipped at (under :func:`pergrad.dp.adaptive`, the one
-    :attr:`DPOptimizer.max_norm` held before the step moved it).
-
-    ``loss``: the mean of the examples' losses (over the step's micro-batches; with
-    ``distributed``, this process's examples), as the forward pass of the ghost strategies
-    (``"ghost"``, ``"ghost-lowmem"``) computed them: no extra forward pass, and no privacy
-    (print it, do not release it). None where the step ran another strategy (``"chunked"``,
-    ``"materialize"``, user-level clipping), on an empty batch, or when some micro-batch of
-    the step had no losses. A non-finite example's loss makes it nan or inf."""
-
-    clip_fraction: float
-    batch_size: int
-    strategy: str
-    skipped: bool = False
-    nonfinite: int = 0
-    max_norm: float | None = None
-    loss: float | None = None
+from pergrad._src.torch.dp_step import (
+    MAX_NORM_KEY,
+    DPStep,
+    ScaledLoss,
+    check_scaler,
+    host_numbers,
+    mean_loss,
+    warn_realised_batch_size,
+)
 
 
 class DPOptimizer:
@@ -240,7 +209,7 @@ class DPOptimizer:
                 f"or None; got "
                 f"{type(generator).__name__}."
             )
-        scaler = _check_scaler(scaler, distributed)
+        scaler = check_scaler(scaler, distributed)
         self.noise = check_mechanism("DPOptimizer", noise)
         check_accountant_noise("DPOptimizer", accountant, self.noise)
         self.clipping = check_clipping("DPOptimizer", clipping)
@@ -251,10 +220,10 @@ class DPOptimizer:
             self.gradient_noise_multiplier = check_adaptive_noise(
                 "DPOptimizer", self.clipping, self.noise, float(noise_multiplier), 1
             )
-        _warn_realised_batch_size(accountant, expected_batch_size)
+        warn_realised_batch_size(accountant, expected_batch_size)
         self._noise_state: Any = None  # the mechanism's state, made at the first step
         self.scaler = scaler
-        self._scaled_loss = None if scaler is None else _ScaledLoss(loss_fn)
+        self._scaled_loss = None if scaler is None else ScaledLoss(loss_fn)
         self.optimizer = optimizer
         self.model = model
         self.max_norm = float(max_norm)
@@ -358,7 +327,7 @@ class DPOptimizer:
             overflow,
             int(clipped.nonfinite),
             self.max_norm,
-            _mean_loss(micro),
+            mean_loss(micro),
         )
 
     def step(self, *batch: Any, user_ids: Any = None) -> DPStep:
@@ -413,7 +382,7 @@ class DPOptimizer:
             skipped=overflow,
             nonfinite=int(clipped.nonfinite),
             max_norm=bound,
-            loss=_mean_loss(losses),
+            loss=mean_loss(losses),
         )
 
     def _move_bound(self, unclipped: float, count: float) -> None:
@@ -631,95 +600,13 @@ class DPOptimizer:
         under the key ``"pergrad_max_norm"``."""
         state = self.optimizer.state_dict()
         if isinstance(self.clipping, AdaptiveClipping):
-            state = {**state, _MAX_NORM_KEY: self.max_norm}
+            state = {**state, MAX_NORM_KEY: self.max_norm}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if _MAX_NORM_KEY in state:
+        if MAX_NORM_KEY in state:
             state = dict(state)
             self.max_norm = check_positive(
-                "DPOptimizer.load_state_dict", _MAX_NORM_KEY, state.pop(_MAX_NORM_KEY)
+                "DPOptimizer.load_state_dict", MAX_NORM_KEY, state.pop(MAX_NORM_KEY)
             )
         self.optimizer.load_state_dict(state)
-
-
-_MAX_NORM_KEY = "pergrad_max_norm"
-
-
-def _warn_realised_batch_size(accountant: Any, expected_batch_size: Any) -> None:
-    """Say so when the accountant assumes Poisson sampling but the step will divide by the
-    realised batch size: that size depends on the data, and the accounting does not cover its
-    release (the update's scale gives it away)."""
-    if expected_batch_size is not None or not isinstance(accountant, Accountant):
-        return
-    if accountant.sampling != "poisson" or accountant.sample_rate is None:
-        return
-    groups = getattr(accountant.noise, "min_separation", None)
-    if accountant.noise.steps is None or accountant.noise.sample_rate is None or not groups:
-        sampling, fix = "Poisson sampling", "sample_rate * len(dataset)"
-    else:  # cyclic Poisson sampling: a step samples one of min_separation groups
-        sampling = f"cyclic Poisson sampling over min_separation={groups} groups"
-        fix = (
-            f"len(dataset) * sample_rate / min_separation (= len(dataset) * "
-            f"{accountant.sample_rate:g} / {groups}; CyclicPoissonBatchSampler."
-            f"expected_batch_size)"
-        )
-    warn_from_caller(
-        f"DPOptimizer: the accountant assumes {sampling} (sample_rate="
-        f"{accountant.sample_rate:g}), but expected_batch_size is None, so each step divides "
-        f"by the realised batch size, which depends on the data and which the accounting does "
-        f"not cover. Pass expected_batch_size={fix} (the global one when distributed).",
-        PrivacyWarning,
-    )
-
-
-class _ScaledLoss:
-    """``loss_fn`` times the scaler's current scale (set before each micro-batch)."""
-
-    def __init__(self, loss_fn: Callable[..., Any]) -> None:
-        self.loss_fn = loss_fn
-        self.scale = 1.0
-
-    def __call__(self, output: Any, *targets: Any) -> Any:
-        loss = self.loss_fn(output, *targets)
-        if isinstance(loss, tuple) and len(loss) == 2:  # (loss, aux)
-            return loss[0] * self.scale, loss[1]
-        return loss * self.scale
-
-
-def _check_scaler(scaler: Any, distributed: Any) -> torch.amp.GradScaler | None:
-    """The scaler if it scales (None for None or a disabled one); refuses anything else."""
-    if scaler is None:
-        return None
-    if not isinstance(scaler, torch.amp.GradScaler):
-        raise PergradTypeError(
-            f"DPOptimizer: scaler must be a torch.amp.GradScaler (e.g. "
-            f"torch.amp.GradScaler('cuda') for float16 autocast) or None; got "
-            f"{type(scaler).__name__}."
-        )
-    if distributed is not False:
-        raise PergradValueError(
-            "DPOptimizer: scaler is not supported with distributed yet (the processes would "
-            "have to agree on skipping a step); autocast to bfloat16, which needs no scaler, "
-            "or train in one process."
-        )
-    return scaler if scaler.is_enabled() else None
-
-
-def _mean_loss(losses: tuple[float, int] | None) -> float | None:
-    """``sum / number`` of per-example losses; None where there are none."""
-    if losses is None or losses[1] == 0:
-        return None
-    return losses[0] / losses[1]
-
-
-def host_numbers(*values: Any) -> list[float]:
-    """Tensors (0-d) and numbers as Python floats, the tensors read from their device together:
-    one host sync for all of them, where ``float()`` of each would be one each."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    device = tensors[0].device
-    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    read = iter(torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors]).tolist())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]

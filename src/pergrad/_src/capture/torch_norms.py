@@ -1,0 +1,334 @@
+"""Certified per-example squared norms of a linear map's per-example gradient ``A_i^T D_i``.
+
+The maths every PyTorch layer rule shares (``torch_layers.py``, ``torch_rules/``,
+``torch_attention.py``): the Gram route ``<A A^T, D D^T>`` or the formed route ``|A^T D|^2``,
+chosen by the cost model (``cost.py``), computed in the operands' precision with an a-priori
+rounding bound (``cost.Certified``), the examples whose bound is loose recomputed in float64;
+sums of squares (a bias's, a table's rows') with theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from pergrad._src.capture import cost
+from pergrad._src.capture.cost import dense_route, gram_is_cheaper
+
+
+def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.Tensor) -> Any:
+    """``sum_g |sum_t a[b, g, t] (x) d[b, g, t]|^2`` for each example ``b``, certified.
+
+    The per-example gradient of a linear map applied at ``T`` positions (tokens, or conv patches)
+    is ``sum_t a_t d_t^T``; ``G`` independent blocks (conv groups) add their squared norms.
+
+    Args:
+      activations: ``(B, G, T, p)`` the layer's inputs.
+      output_grads: ``(B, G, T, q)`` the gradients at its outputs.
+
+    Returns:
+      ``cost.Certified``: ``(B,)`` squared norms in the operands' precision and a bound on their
+      rounding (a plain ``(B,)`` tensor where ``cost.FAST_NORMS`` is off). For one position it
+      is ``|a|^2 |d|^2``; where ``cost.gram_is_cheaper`` the Gram matrices give it in ``O(T^2
+      (p + q))`` (Li et al. 2021, "Large language models can be strong differentially private
+      learners"), ``T x T`` blocks at a time so that their memory stays under
+      :data:`GRAM_BLOCK_BYTES`; otherwise forming ``a^T d`` (``p x q`` per example and group,
+      this layer only) is cheaper.
+
+    The Gram sum ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` cancels wherever the per-position
+    gradients ``a_t d_t^T`` nearly cancel: in float32 (or TF32 on a GPU) a gradient a thousand
+    times smaller than ``sum_t |a_t| |d_t|`` came out 30% too small or negative. The bound
+    (:func:`_gram_in`, :func:`_formed_in`) says so; an example whose bound exceeds
+    ``cost.ROUNDING_TOLERANCE`` of its norm is computed again in float64
+    (:func:`_tightened`).
+    """
+    positions, width_in = activations.shape[-2:]
+    width_out = output_grads.shape[-1]
+    if positions == 1:
+        return _one_position(activations, output_grads)
+    gram = gram_is_cheaper(positions, width_in, width_out)
+    if not cost.FAST_NORMS:
+        return _uncertified(activations, output_grads, gram)
+    input_unit = _input_unit(activations)
+    unit = unit_roundoff(activations.dtype)
+    fast = cost.fast_gram_suffices(positions, (width_in, width_out), unit, input_unit)
+    if gram and not fast and _has_float64(activations):
+        # the fast precision could not certify a Gram sum tightly: float64, as before
+        return _in_chunks(activations, output_grads, _gram_in, 0.0, wide=True)
+    route = _gram_in if gram else _formed_in
+    found = _in_chunks(activations, output_grads, route, input_unit)
+    return _tightened(found, activations, output_grads, gram)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of ``dtype``: half its machine epsilon."""
+    return torch.finfo(dtype).eps / 2
+
+
+def matmul_input_unit(device: Any) -> float:
+    """How much PyTorch's matrix products of float32 tensors round their inputs on ``device``
+    under the current settings: 0 (IEEE float32), ``2**-11`` (TF32:
+    ``torch.backends.cuda.matmul.allow_tf32``, or ``torch.set_float32_matmul_precision("high")``)
+    or ``2**-8`` (``"medium"``: bfloat16)."""
+    setting = torch.get_float32_matmul_precision()
+    if setting == "medium":
+        return 2.0**-8
+    tf32 = torch.device(device).type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
+    return 2.0**-11 if tf32 or setting == "high" else 0.0
+
+
+def _input_unit(x: torch.Tensor) -> float:
+    """:func:`matmul_input_unit` for float32 operands; other dtypes are used as they are."""
+    return matmul_input_unit(x.device) if x.dtype == torch.float32 else 0.0
+
+
+def dense_route_of(layer: Any, width_in: int, width_out: int) -> str:
+    """``cost.dense_route`` in the precision ``layer``'s float32 products take now."""
+    return dense_route(width_in, width_out, input_unit=matmul_input_unit(_device_of(layer)))
+
+
+def _device_of(layer: Any) -> Any:
+    param = next(layer.parameters(), None)
+    return "cpu" if param is None else param.device
+
+
+def _has_float64(x: torch.Tensor) -> bool:
+    return x.device.type != "mps"  # MPS has no float64: there the fast bound stands
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float64)
+
+
+def _one_position(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """``|a|^2 |d|^2`` summed over groups. Sums of squares: nothing cancels, so the result is
+    within a relative ``gamma_(p + q + G + 1)``, as a materialised gradient's own norm is (the
+    rounding every clip path accepts); no bound is added."""
+    return ((activations**2).sum(-1) * (output_grads**2).sum(-1)).sum((1, 2))
+
+
+def _uncertified(activations: torch.Tensor, output_grads: torch.Tensor, gram: bool) -> Any:
+    """The route before certified norms (``cost.FAST_NORMS`` off: a benchmark's baseline): the
+    Gram matrices in float64, the formed gradient in the operands' precision, no bound."""
+    if gram and _has_float64(activations):
+        # a few examples at a time in float64 (at most FORMED_BLOCK_BYTES of copies), into one
+        # pair of buffers: an LM head's output gradients copied whole would double their memory
+        per_example = activations[0].numel() + output_grads[0].numel()
+        chunk = min(len(activations), max(1, FORMED_BLOCK_BYTES // (8 * per_example)))
+        wide_a = activations.new_empty((chunk, *activations.shape[1:]), dtype=torch.float64)
+        wide_d = output_grads.new_empty((chunk, *output_grads.shape[1:]), dtype=torch.float64)
+        pieces = []
+        for a, d in zip(activations.split(chunk), output_grads.split(chunk)):
+            rows = len(a)
+            wide_a[:rows].copy_(a)
+            wide_d[:rows].copy_(d)
+            pieces.append(_blocked_gram(wide_a[:rows], wide_d[:rows]).to(activations.dtype))
+        return torch.cat(pieces)
+    return _in_chunks(activations, output_grads, _formed_in, 0.0).estimate
+
+
+def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example for ``a (B, G, T, p)``, ``d (B, G, T,
+    q)``, over ``T x T`` blocks of at most :data:`GRAM_BLOCK_BYTES`, without a bound (the
+    uncertified baseline, in float64)."""
+    batch, groups, positions = a.shape[:3]
+    per_entry = 2 * batch * groups * a.element_size()
+    block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
+    total = a.new_zeros(batch)
+    for start in range(0, positions, block):
+        rows_a, rows_d = a[:, :, start : start + block], d[:, :, start : start + block]
+        for other in range(0, positions, block):
+            cols_a, cols_d = a[:, :, other : other + block], d[:, :, other : other + block]
+            gram_a = rows_a @ cols_a.transpose(-1, -2)
+            gram_d = rows_d @ cols_d.transpose(-1, -2)
+            total = total + (gram_a * gram_d).sum((1, 2, 3))
+    return total
+
+
+def _tightened(
+    found: Any, activations: torch.Tensor, output_grads: torch.Tensor, gram: bool
+) -> Any:
+    """``found`` with the examples whose bound exceeds ``cost.ROUNDING_TOLERANCE`` of their
+    estimate (positions that cancel) computed again from float64 copies of their records: by
+    the Gram matrices where ``gram``, else formed. One host sync; nothing recomputed (and no
+    float64 on MPS, which has none) where every bound is tight."""
+    loose = found.bound > cost.ROUNDING_TOLERANCE * found.estimate
+    if not _has_float64(activations) or not bool(loose.any()):
+        return found
+    rows = loose.nonzero().squeeze(1)
+    route = _gram_in if gram else _formed_in
+    exact = _in_chunks(activations[rows], output_grads[rows], route, 0.0, wide=True)
+    return cost.Certified(
+        found.estimate.index_copy(0, rows, exact.estimate),
+        found.bound.index_copy(0, rows, exact.bound),
+    )
+
+
+def _in_chunks(
+    activations: torch.Tensor,
+    output_grads: torch.Tensor,
+    route: Any,
+    input_unit: float,
+    wide: bool = False,
+) -> Any:
+    """``route(a, d, input_unit)`` a few examples at a time (at most :data:`FORMED_BLOCK_BYTES`
+    of the gradients it forms, or of float64 copies where ``wide``: an LM head's output
+    gradients copied whole would double their memory), the results side by side in the
+    operands' dtype."""
+    groups, width_in = activations.shape[1], activations.shape[-1]
+    width_out = output_grads.shape[-1]
+    size = 8 if wide else activations.element_size()
+    if route is _formed_in:
+        per_example = width_in * width_out * groups * size
+    else:
+        per_example = (activations[0].numel() + output_grads[0].numel()) * size
+    chunk = min(len(activations), max(1, FORMED_BLOCK_BYTES // per_example))
+    if route is _formed_in:  # one buffer for every chunk: fresh ones cost page faults
+        dtype = (
+            torch.float64 if wide else torch.promote_types(activations.dtype, output_grads.dtype)
+        )
+        buffer = activations.new_empty((chunk, groups, width_in, width_out), dtype=dtype)
+        route = functools.partial(_formed_in, buffer=buffer)
+    pieces = []
+    for a, d in zip(activations.split(chunk), output_grads.split(chunk)):
+        found = route(_wide(a), _wide(d), 0.0) if wide else route(a, d, input_unit)
+        pieces.append(found.to(activations.dtype))
+    if len(pieces) == 1:
+        return pieces[0]
+    return cost.Certified(
+        torch.cat([p.estimate for p in pieces]), torch.cat([p.bound for p in pieces])
+    )
+
+
+# Per-example gradients formed for their norm (where the Gram route is dearer) are formed a few
+# examples at a time, at most this many bytes.
+FORMED_BLOCK_BYTES = 2**25
+# Gram matrices of a long sequence are formed in T x T blocks of at most this many bytes (the
+# two matrices and the three of their bound, the whole chunk): T = 2048, B = 16 in one piece
+# would be 1 GiB in float64.
+GRAM_BLOCK_BYTES = 2**27
+
+
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``(B, G, T)`` each position's Euclidean norm ``|x_t|``."""
+    return torch.linalg.vector_norm(x, dim=-1)
+
+
+def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
+    """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example for ``a (B, G, T, p)``, ``d (B, G, T,
+    q)``, in their dtype over ``T x T`` blocks of at most :data:`GRAM_BLOCK_BYTES`, with its
+    rounding bound.
+
+    With ``A_ts = a_t . a_s`` computed within ``alpha |a_t| |a_s|`` (``alpha =
+    cost.product_error(p)``), ``D_ts`` within ``beta |d_t| |d_s|``, each product ``A D``
+    rounded once and the products summed over ``s``, then ``t`` (and groups, and blocks), so
+    that each passes through at most ``m`` additions:
+
+    ``|sum - exact| <= gamma_(m+1) sum |A D| + alpha sum |a_t||a_s| |D_ts| + beta sum |A_ts|
+    |d_t||d_s| + alpha beta (sum_t |a_t||d_t|)^2``,
+
+    from the computed ``A``, ``D`` (their own rounding is in the last term). The bound's sums
+    are of non-negative terms, each within ``gamma_k`` relatively: it is raised by ``2
+    gamma_k`` for them. No underflow is assumed (its errors are absolute, below ``2**-126`` per
+    operation in float32, far under any clipping bound)."""
+    batch, groups, positions = a.shape[:3]
+    width_in, width_out = a.shape[-1], d.shape[-1]
+    unit = unit_roundoff(a.dtype)
+    per_entry = 5 * batch * groups * a.element_size()
+    block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
+    blocks = -(-positions // block)
+    norms_a, norms_d = magnitudes(a), magnitudes(d)
+    total = a.new_zeros(batch)
+    magnitude = a.new_zeros(batch)  # sum |A D|
+    from_a = a.new_zeros(batch)  # sum |a_t||a_s| |D_ts|
+    from_d = a.new_zeros(batch)  # sum |A_ts| |d_t||d_s|
+    for start in range(0, positions, block):
+        rows = slice(start, start + block)
+        for other in range(0, positions, block):
+            cols = slice(other, other + block)
+            gram_a = a[:, :, rows] @ a[:, :, cols].transpose(-1, -2)
+            gram_d = d[:, :, rows] @ d[:, :, cols].transpose(-1, -2)
+            product = gram_a * gram_d
+            total = total + _nested_sum(product)
+            magnitude = magnitude + _nested_sum(product.abs_())
+            outer_a = norms_a[:, :, rows, None] * norms_a[:, :, None, cols]
+            from_a = from_a + _nested_sum(outer_a.mul_(gram_d.abs_()))
+            outer_d = norms_d[:, :, rows, None] * norms_d[:, :, None, cols]
+            from_d = from_d + _nested_sum(outer_d.mul_(gram_a.abs_()))
+    alpha = cost.product_error(width_in, unit, input_unit)
+    beta = cost.product_error(width_out, unit, input_unit)
+    depth = 2 * block + groups + blocks * blocks
+    terms = (norms_a * norms_d).sum(-1)  # (B, G): sum_t |a_t| |d_t|
+    bound = (
+        cost.gamma(depth + 1, unit) * magnitude
+        + alpha * from_a
+        + beta * from_d
+        + alpha * beta * (terms * terms).sum(-1)
+    )
+    own = cost.gamma(depth + 2 * (width_in + width_out + positions) + 16, unit)
+    return cost.Certified(total.clamp_min(0), bound * (1 + 2 * own))
+
+
+def _nested_sum(x: torch.Tensor) -> torch.Tensor:
+    """``(B, G, R, C) -> (B,)``, over columns, then rows, then groups: every term passes through
+    at most ``C + R + G`` additions, whatever order each reduction takes."""
+    return x.sum(-1).sum(-1).sum(-1)
+
+
+def _formed_in(
+    a: torch.Tensor, d: torch.Tensor, input_unit: float, buffer: torch.Tensor | None = None
+) -> Any:
+    """``|a^T d|_F^2`` per example from the formed ``p x q`` gradients (``a (B, G, T, p)``, ``d
+    (B, G, T, q)``, a few examples at a time, into ``buffer`` where given, squared in place), with its
+    rounding bound.
+
+    Each entry of the formed ``G' = a^T d`` is within ``theta sum_t |a_ti| |d_tj|`` of the exact
+    one (``theta = cost.product_error(T)``), so ``|G| <= |G'| + theta sqrt(sum_g (sum_t |a_t|
+    |d_t|)^2)``; ``|G'|^2`` is summed over columns, rows and groups (within ``gamma_(p + q + G
+    + 1)``). The bound is ``(sqrt(|G'|^2 (1 + gamma)) + theta S)^2 - |G'|^2``, raised for its
+    own rounding: relative to the norm it is ``theta S / |G|``, not the Gram route's
+    square."""
+    groups, positions, width_in = a.shape[1:]
+    width_out = d.shape[-1]
+    unit = unit_roundoff(a.dtype)
+    dtype = torch.promote_types(a.dtype, d.dtype) if buffer is None else buffer.dtype
+    out = None if buffer is None else buffer[: len(a)]
+    formed = torch.matmul(a.transpose(-1, -2).to(dtype), d.to(dtype), out=out)
+    squared = _nested_sum(formed.square_())
+    theta = cost.product_error(positions, unit, input_unit)
+    terms = (magnitudes(a) * magnitudes(d)).sum(-1)  # (B, G)
+    error = theta * (terms * terms).sum(-1).sqrt()
+    return certified_sum_of_squares(squared, error, width_in + width_out + groups + positions)
+
+
+def certified_sum_of_squares(squared: torch.Tensor, error: torch.Tensor, depth: int) -> Any:
+    """The certified squared norm of a computed vector ``v'`` whose squares were summed into
+    ``squared`` (each term through at most ``depth`` additions) and which is within ``error``
+    (Euclidean) of the exact one: ``(sqrt(squared (1 + 2 gamma)) + error)^2 - squared``,
+    raised by ``2 gamma`` for its own rounding."""
+    unit = unit_roundoff(squared.dtype)
+    relative = cost.gamma(depth + 1, unit)
+    upper = (squared * (1 + 2 * relative)).sqrt() + error
+    own = cost.gamma(2 * depth + 16, unit)
+    bound = (upper * upper - squared).clamp_min(0) * (1 + 2 * own) + 4 * unit * squared
+    return cost.Certified(squared, bound)
+
+
+def summed_squared_norms(terms: torch.Tensor) -> Any:
+    """``|sum_t terms[b, t]|^2`` per example for ``terms (B, T, q)`` (a bias's gradient: the
+    output gradients summed over positions), certified: the sum of ``T`` terms is within
+    ``gamma_T sum_t |terms_t|`` of the exact one, which cancelling positions make large next to
+    the norm. A plain tensor where ``cost.FAST_NORMS`` is off."""
+    squared = squared_norms_of(terms.sum(1))
+    if not cost.FAST_NORMS:
+        return squared
+    positions, width = terms.shape[1], terms.shape[-1]
+    error = cost.gamma(positions, unit_roundoff(terms.dtype)) * magnitudes(terms).sum(-1)
+    return certified_sum_of_squares(squared, error, width + positions)
+
+
+def squared_norms_of(per_example: torch.Tensor) -> torch.Tensor:
+    """``(B, ...)`` per-example gradients of one parameter -> ``(B,)`` squared norms."""
+    return (per_example**2).reshape(per_example.shape[0], -1).sum(1)
