@@ -190,7 +190,11 @@ def run_workers(world_size: int, directory: Path) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n} processes")
+@pytest.fixture(
+    scope="module",
+    params=[2, pytest.param(4, marks=pytest.mark.slow(reason="four gloo processes: about 30 s"))],
+    ids=lambda n: f"{n} processes",
+)
 def workers(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
     world_size = request.param
     return world_size, run_workers(world_size, tmp_path_factory.mktemp(f"world{world_size}"))
@@ -378,6 +382,7 @@ def test_the_distributed_example_trains_two_processes_to_the_same_parameters():
     assert result.stdout.strip().endswith("parameters identical on every process: True")
 
 
+@pytest.mark.slow(reason="the scaling benchmark in gloo processes: about 9 s on 2 CPU cores")
 def test_the_scaling_benchmark_runs(tmp_path):
     out = tmp_path / "scaling_torch.md"
     script = REPO_ROOT / "benchmarks" / "scaling_torch.py"

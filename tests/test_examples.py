@@ -53,6 +53,7 @@ def test_quickstart_checks_the_mean_on_both_backends():
     assert [line.split(":")[0].strip() for line in lines] == ["JAX", "PyTorch"]
 
 
+@pytest.mark.slow(reason="a training run on digits in a subprocess: about 10 s on 2 CPU cores")
 def test_find_mislabeled_beats_the_random_baseline(tmp_path):
     pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
     pytest.importorskip("matplotlib", reason="the example saves a histogram")
@@ -95,6 +96,7 @@ def test_dp_sgd_digits_quick_run_reports_the_target_epsilons():
     assert jax_accuracy > 0.5 and torch_accuracy > 0.5  # ten classes: chance is 0.1
 
 
+@pytest.mark.slow(reason="trains and scores digits in a subprocess: about 8 s on 2 CPU cores")
 def test_influence_digits_draws_helpful_and_harmful_training_digits(tmp_path):
     pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
     pytest.importorskip("matplotlib", reason="the example saves an image grid")
@@ -114,6 +116,7 @@ def test_influence_digits_draws_helpful_and_harmful_training_digits(tmp_path):
     assert (tmp_path / "influence_digits.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow(reason="a GPT-2 fine-tune quick run in a subprocess: about 8 s on 2 CPU cores")
 def test_dp_finetune_gpt2_quick_run_learns_within_its_epsilon():
     pytest.importorskip("transformers", reason="the example trains a Hugging Face GPT-2")
     pytest.importorskip("dp_accounting", reason="the example calibrates noise with dp-accounting")
@@ -193,6 +196,9 @@ def test_dp_jax_port_step_equals_a_hand_written_clipped_mean_step_in_float64():
         np.testing.assert_allclose(np.asarray(new_params[name]), value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow(
+    reason="one epoch of the JAX port in a subprocess (its step is checked by a default test): about 6 s"
+)
 def test_dp_jax_port_quick_run_learns_and_reports_its_epsilon():
     pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
     pytest.importorskip("dp_accounting", reason="the example accounts its run")
@@ -238,6 +244,9 @@ def test_dp_opacus_port_step_equals_a_hand_written_clipped_mean_step_in_float64(
         np.testing.assert_allclose(p.detach().numpy(), expected[name], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow(
+    reason="one epoch of the Opacus port in a subprocess (its step is checked by a default test): about 6 s"
+)
 def test_dp_opacus_port_quick_run_prints_loss_and_epsilon():
     pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
     pytest.importorskip("torch", reason="the example runs PyTorch")
