@@ -19,12 +19,16 @@ its per-example gradient comes back :class:`~pergrad._src.capture.quantities.For
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pergrad._src.capture.quantities import BUILT_IN, Formed, of_records, quantity_named
+from pergrad._src.capture.quantities import (
+    BUILT_IN,
+    Formed,
+    find_reduction,
+    of_records,
+)
 
 # squared_norms(site, param, inputs, cotangents) -> (B,) the leaf's per-example squared norms.
 SquaredNormsFn = Callable[[Any, Any, Any, Any], Any]
@@ -66,16 +70,7 @@ class ContractionRule:
     def reduction(self, name: str) -> ReductionFn | None:
         """The family's function for reduction ``name``: a built-in, a plug-in of this family,
         or a registered quantity where the family has records for it; else None."""
-        if name in BUILT_IN:
-            return getattr(self, name)
-        if name in self.plugins:
-            return self.plugins[name]
-        quantity = quantity_named(name)
-        if quantity is None or not (
-            self.tokens is not None or (self.lookups is not None and quantity.of_lookups)
-        ):
-            return None
-        return functools.partial(_of_quantity, self, quantity)
+        return find_reduction(self, name, _of_quantity)
 
 
 def _of_quantity(

@@ -22,6 +22,7 @@ This module imports no framework.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,3 +136,20 @@ def of_records(
     if lookups is not None and quantity.of_lookups is not None:
         return quantity.of_lookups(lookups, *args)
     return None
+
+
+def find_reduction(rule: Any, name: str, of_quantity: Callable[..., Any]) -> Any:
+    """Reduction ``name`` of a layer rule of either framework (``rules.LayerRule``,
+    ``jax_rules.ContractionRule``): a built-in, a plug-in of its family, or a registered
+    quantity where the family has records for it (``of_quantity(rule, quantity, *records,
+    *args)`` computes it from that framework's records); else None."""
+    if name in BUILT_IN:
+        return getattr(rule, name)
+    if name in rule.plugins:
+        return rule.plugins[name]
+    quantity = quantity_named(name)
+    if quantity is None or not (
+        rule.tokens is not None or (rule.lookups is not None and quantity.of_lookups)
+    ):
+        return None
+    return functools.partial(of_quantity, rule, quantity)

@@ -48,6 +48,7 @@ from pergrad._src.capture.quantities import (
     Formed,
     Lookups,
     Tokens,
+    find_reduction,
     of_records,
     quantity_named,
 )
@@ -148,16 +149,7 @@ class LayerRule:
     def reduction(self, name: str) -> ReductionFn | None:
         """The family's function for reduction ``name``: a built-in, a plug-in of this family,
         or a registered quantity where the family has records for it; else None."""
-        if name in BUILT_IN:
-            return getattr(self, name)
-        if name in self.plugins:
-            return self.plugins[name]
-        quantity = quantity_named(name)
-        if quantity is None or not (
-            self.tokens is not None or (self.lookups is not None and quantity.of_lookups)
-        ):
-            return None
-        return functools.partial(_of_quantity, self, quantity)
+        return find_reduction(self, name, _of_quantity)
 
 
 def _of_quantity(rule: LayerRule, quantity: Any, layer: Any, calls: list[Any], *args: Any) -> Any:
