@@ -323,8 +323,7 @@ def test_dp_optimizer_steps_on_the_users_clipped_sum():
         noise_multiplier=0.0,
         expected_batch_size=3.0,
     )
-    with pytest.warns(pergrad.FallbackWarning, match="user-level"):
-        stats = opt.step(x, y, user_ids=torch.from_numpy(USERS))
+    stats = opt.step(x, y, user_ids=torch.from_numpy(USERS))  # the ghost strategy
     assert stats.batch_size == num_users
     for n, p in model.named_parameters():
         np.testing.assert_allclose(
@@ -512,7 +511,9 @@ def test_bad_user_ids_of_the_framework_are_refused(fw):
 def test_strategies_that_clip_examples_are_refused_by_name(fw):
     d = data()
     params = {"w": fw.array(d["w"]), "b": fw.array(d["b"])}
-    for strategy in ("chunked", "ghost"):
+    # (a function loss: the ghost strategy clips by user only on a PyTorch module_loss,
+    # tests/test_dp_user_level_ghost.py)
+    for strategy in ("chunked", "ghost-lowmem", "ghost"):
         with pytest.raises(PergradValueError, match=f"strategy='{strategy}' cannot clip by user"):
             dp.clipped_sum_of(
                 single_loss(fw),

@@ -7,6 +7,7 @@ each strategy come from ``clipping.py``, and the noise from the run's mechanism
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pergrad._src.api.reductions import global_norms, setup_reduce_request
@@ -33,9 +34,10 @@ from pergrad._src.dp.clipping_policies import (
 )
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, check_mechanism
 from pergrad._src.dp.sampling import warn_if_mask_forgotten
-from pergrad._src.errors import PergradValueError
+from pergrad._src.dp.users import check_user_ids, user_slots
+from pergrad._src.errors import PergradValueError, Unsupported
 from pergrad._src.strategies import registry
-from pergrad._src.strategies.protocol import StrategyChoice
+from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
 
 
 def clipped_sum_of(
@@ -79,8 +81,11 @@ def clipped_sum_of(
         the arguments' framework, or numpy) for user-level privacy: the sum over the batch's
         users of each user's summed gradient, clipped to ``max_norm``, as
         :func:`pergrad.dp.clipped_sum` with ``user_ids`` (``count`` is the number of users).
-        Computed from the per-example gradients (strategy ``"auto"`` or ``"materialize"``;
-        the ghost and chunked strategies clip examples, not users, and are refused by name).
+        On a PyTorch ``module_loss`` the ghost strategy computes each user's norm from its
+        examples' layer records side by side (no per-example gradient of a layer with a rule
+        is formed); elsewhere the per-example gradients are formed and summed per user
+        (``"materialize"``; the chunked and low-memory ghost strategies clip examples, not
+        users, and are refused by name).
 
     Differentiating through the result (meta-learning, a hypergradient) treats the clip
     factors as constants, as DP-SGD does; ``pergrad.dp.clipped_sum`` of materialised
@@ -147,17 +152,9 @@ def clipped_sum_run(
     func_name = "clipped_sum_of"
     policy = check_clipping(func_name, clipping)
     if user_ids is not None:
-        check_user_level_strategy(func_name, strategy)
-        if not isinstance(max_norm, (dict, list, tuple)):
-            check_positive(func_name, "max_norm", max_norm)
-        request, chosen = setup_reduce_request(
-            func_name, fn, args, argnums, in_axes, "materialize", chunk_size
+        return _user_level_run(
+            fn, args, max_norm, argnums, in_axes, strategy, chunk_size, mask, policy, user_ids
         )
-        if mask is not None:
-            check_mask(func_name, request.call, mask)
-        grads, ran = registry.execute("reduce", request, "materialize", chosen)
-        clipped = user_clipped_sum(func_name, grads, max_norm, user_ids, mask, policy)
-        return ClippedRun(clipped, StrategyChoice("materialize", USER_LEVEL_REASON), ran)
     per_group = isinstance(max_norm, (dict, list, tuple))
     if not per_group and getattr(max_norm, "shape", None) != ():
         check_positive(func_name, "max_norm", max_norm)  # before the call is analysed
@@ -201,26 +198,137 @@ def clipped_sum_run(
     return ClippedRun(clipped, chosen.choice, ran, reduction.losses)
 
 
+def _user_level_run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    max_norm: Any,
+    argnums: Any,
+    in_axes: Any,
+    strategy: str,
+    chunk_size: int | None,
+    mask: Any,
+    policy: ClippingPolicy | None,
+    user_ids: Any,
+) -> ClippedRun:
+    """:func:`clipped_sum_run` at user level: by the ghost strategy where it runs (a PyTorch
+    ``module_loss``: each user's norms from its examples' layer records,
+    ``capture/torch_users.py``), else from the per-example gradients summed per user."""
+    func_name = "clipped_sum_of"
+    check_user_level_strategy(func_name, strategy)
+    per_group = isinstance(max_norm, (dict, list, tuple))
+    if not per_group:
+        check_positive(func_name, "max_norm", max_norm)
+    why_not = "the ghost strategy was not asked for"
+    if strategy in ("auto", "ghost"):
+        # "auto" picks the ghost strategy if it takes the call (never the chunked one here)
+        request, chosen = setup_reduce_request(
+            func_name, fn, args, argnums, in_axes, "auto", chunk_size
+        )
+        on_torch = request.call.backend.name == "torch"
+        if chosen.strategy == "ghost" and on_torch:
+            try:
+                return _user_level_ghost(request, chosen, max_norm, mask, policy, user_ids)
+            except PergradValueError as err:
+                if strategy != "auto" or not isinstance(err.__cause__, Unsupported):
+                    raise
+                why_not = f"the ghost strategy failed ({err.__cause__})"
+        else:
+            why_not = (
+                "JAX's ghost strategy does not group examples by user"
+                if chosen.strategy == "ghost"
+                else f"the ghost strategy cannot take this call: {chosen.why}"
+            )
+            if strategy == "ghost" and request.call.batch_size:  # (an empty batch: ordinary)
+                raise PergradValueError(
+                    f"{func_name}: strategy='ghost' cannot clip by user (user_ids=) here: "
+                    f"{why_not}. Pass strategy='auto' or 'materialize' (the per-example "
+                    f"gradients, summed per user)."
+                )
+    request, chosen = setup_reduce_request(
+        func_name, fn, args, argnums, in_axes, "materialize", chunk_size
+    )
+    if mask is not None:
+        check_mask(func_name, request.call, mask)
+    grads, ran = registry.execute("reduce", request, "materialize", chosen)
+    clipped = user_clipped_sum(func_name, grads, max_norm, user_ids, mask, policy)
+    reason = f"{USER_LEVEL_REASON}: {why_not}"
+    return ClippedRun(clipped, StrategyChoice("materialize", reason), ran)
+
+
+def _user_level_ghost(
+    request: ReduceRequest,
+    chosen: Assessment,
+    max_norm: Any,
+    mask: Any,
+    policy: ClippingPolicy | None,
+    user_ids: Any,
+) -> ClippedRun:
+    """User-level clipping by the PyTorch ghost strategy: each user's squared norms in the row
+    of its first real example (``users.user_slots``), the clip factors formed there and handed
+    to every example of the user, the weighted sum from the same records as per example."""
+    spec, call = request.spec, request.call
+    bk, func_name = call.backend, spec.func_name
+    per_group = isinstance(max_norm, (dict, list, tuple))
+    if not per_group:
+        max_norm = check_bound(func_name, bk, "max_norm", max_norm)
+    if mask is not None:
+        check_mask(func_name, call, mask)
+    like = call.leaves[0][0]
+    user_ids = check_user_ids(func_name, bk, user_ids, call.batch_size, like)
+    ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [max_norm])
+    unit = like.new_ones((), dtype=like.dtype if like.is_floating_point() else None)
+    groups = user_slots(bk, user_ids, mask, unit)
+
+    def group_norms(squared: list[Any]) -> list[Any]:
+        if ids is None:
+            return [global_norms(squared)]
+        return [
+            global_norms([s for s, g in zip(squared, ids) if g == group])
+            for group in range(len(bounds))
+        ]
+
+    def weights_from(squared: list[Any]) -> Any:
+        # each user's clip factor, in its row, handed to each of its examples (padding: 0)
+        rows = clip_weights(bk, group_norms(squared), bounds, groups.real, policy).weights
+        per_example = [w @ groups.slots.to(w.dtype) for w in rows]
+        return per_example[0] if ids is None else [per_example[g] for g in ids]
+
+    request.weights_from = weights_from
+    request.users = (user_ids, mask)
+    reduction, ran = registry.execute("reduce", request, "ghost", chosen)
+    norms = group_norms(reduction.squared_norms)
+    summed = rebuild_grads(spec, call, reduction.weighted_sums)
+    weights = clip_weights(bk, norms, bounds, groups.real, policy)
+    clipped = clip_statistics(bk, summed, norms, bounds, weights)
+    assert chosen.choice is not None
+    choice = replace(chosen.choice, reason=f"{USER_GHOST_REASON}; {chosen.choice.reason}")
+    return ClippedRun(clipped, choice, ran, reduction.losses)
+
+
 USER_LEVEL_REASON = (
-    "user-level clipping (user_ids=): per-example gradients formed, summed per user, then "
-    "clipped; the ghost strategy does not group examples by user"
+    "user-level clipping (user_ids=): per-example gradients formed, summed per user, then clipped"
+)
+USER_GHOST_REASON = (
+    "user-level clipping (user_ids=) by the ghost strategy: each user's norms from its "
+    "examples' layer records side by side, no per-example gradient of a layer with a rule formed"
 )
 
 
 def check_user_level_strategy(func_name: str, strategy: Any) -> None:
-    """User-level clipping runs on per-example gradients: a named ghost or chunked strategy,
-    which clips examples, is refused rather than silently clipping the wrong unit."""
-    if strategy in ("auto", "materialize"):
+    """User-level clipping runs by the PyTorch ghost strategy or on per-example gradients: a
+    named chunked or low-memory ghost strategy, which clip examples, is refused rather than
+    silently clipping the wrong unit."""
+    if strategy in ("auto", "ghost", "materialize"):
         return
-    if strategy in ("ghost", "ghost-lowmem", "chunked"):
+    if strategy in ("ghost-lowmem", "chunked"):
         raise PergradValueError(
             f"{func_name}: strategy={strategy!r} cannot clip by user (user_ids=): it clips "
-            f"each example's gradient. User-level clipping forms the per-example gradients, "
-            f"sums them per user, then clips; pass strategy='auto' or 'materialize'."
+            f"each example's gradient. Pass strategy='auto' (the ghost strategy where it runs, "
+            f"else the per-example gradients summed per user), 'ghost' or 'materialize'."
         )
     raise PergradValueError(
-        f"{func_name}: strategy must be one of ['auto', 'materialize'] with user_ids=; got "
-        f"{strategy!r}."
+        f"{func_name}: strategy must be one of ['auto', 'ghost', 'materialize'] with "
+        f"user_ids=; got {strategy!r}."
     )
 
 

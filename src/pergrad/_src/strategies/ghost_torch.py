@@ -95,7 +95,7 @@ from typing import Any
 
 import torch
 
-from pergrad._src.capture import cost, torch_passes, torch_quantities
+from pergrad._src.capture import cost, torch_passes, torch_quantities, torch_users
 from pergrad._src.capture.torch_plan import GhostPlan, describe_formed, norm_route, plan
 from pergrad._src.capture.torch_quantities import weighted_calls
 from pergrad._src.capture.torch_session import CapturedPass
@@ -162,17 +162,32 @@ def ghost(
     layers: dict[str, str],
     weights_from: WeightsFn | None,
     low_memory: bool = False,
+    users: Any = None,
 ) -> Reduction:
     """Squared norms (and, with ``weights_from``, the weighted sum) by the ghost strategy;
     ``low_memory``: the ``"ghost-lowmem"`` strategy (each layer's norms in the backward pass's
-    hooks, the sums from a second backward pass: ``torch_passes.second_pass``)."""
+    hooks, the sums from a second backward pass: ``torch_passes.second_pass``).
+
+    ``users``: None, or ``(user_ids, mask)`` for user-level clipping: the squared norms are
+    then those of each user's summed gradient, in the row layout of ``dp/users.user_slots``
+    (``torch_users.py``), and ``weights_from`` still gives one weight per example (its user's
+    clip factor)."""
+    if users is not None:
+        assert not low_memory  # refused by name before (dp/from_loss.py)
+        found = torch_passes.capture(spec, call, loss, layers, norms=False)
+        found.squared = torch_users.user_squared_norms(found, torch_users.UserRows(*users))
+        return _reduce(loss, found, weights_from, low_memory=False, always_clean=True)
     retain = low_memory and weights_from is not None
     found = torch_passes.capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)
     return _reduce(loss, found, weights_from, low_memory)
 
 
 def _reduce(
-    loss: ModuleLoss, found: CapturedPass, weights_from: WeightsFn | None, low_memory: bool
+    loss: ModuleLoss,
+    found: CapturedPass,
+    weights_from: WeightsFn | None,
+    low_memory: bool,
+    always_clean: bool = False,
 ) -> Reduction:
     """:func:`ghost`'s norms and weighted sums from a captured pass, whose runs of the batch
     and first-call checks are all done."""
@@ -188,8 +203,11 @@ def _reduce(
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
     # weight: one weight-gradient computation, no second backward pass. A non-finite record
     # makes its example's squared norm non-finite, so when every norm is finite (one host sync)
-    # no record needs cleaning before the weighted sums (see weighted_calls).
-    finite = bool(torch.isfinite(sum(x.detach().float() for x in squared)).all())
+    # no record needs cleaning before the weighted sums (see weighted_calls). (Not so for
+    # users' norms, which leave out padding: ``always_clean``.)
+    finite = not always_clean and bool(
+        torch.isfinite(sum(x.detach().float() for x in squared)).all()
+    )
     clean = None if finite else weighted_calls  # (looked up here: a benchmark replaces it)
     groups = weight_groups(weights_from(upper), len(found.diff))
     if low_memory:

@@ -148,7 +148,9 @@ class ReduceRequest:
 
     ``materialize()`` gives the per-example gradients (:func:`pergrad.per_example_grads` of the
     same call, supplied by the entry point); ``weights_from`` maps the squared norms to the
-    clipped sum's example weights (None: norms only)."""
+    clipped sum's example weights (None: norms only). ``users``: None, or ``(user_ids, mask)``
+    for user-level clipping by the PyTorch ghost strategy, whose squared norms are then each
+    user's, in the row layout of ``dp/users.user_slots`` (``capture/torch_users.py``)."""
 
     spec: Spec
     call: Call
@@ -157,3 +159,4 @@ class ReduceRequest:
     chunk_size: int | None
     materialize: Callable[[], Any]
     weights_from: WeightsFn | None = None
+    users: Any = None

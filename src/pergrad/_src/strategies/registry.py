@@ -246,7 +246,12 @@ def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
     from pergrad._src.strategies import ghost_torch
 
     return ghost_torch.ghost(
-        request.spec, request.call, request.fn, choice.layers, request.weights_from
+        request.spec,
+        request.call,
+        request.fn,
+        choice.layers,
+        request.weights_from,
+        users=request.users,
     )
 
 

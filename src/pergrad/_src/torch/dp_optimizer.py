@@ -341,10 +341,12 @@ class DPOptimizer:
         ``user_ids``), ``expected_batch_size`` is then the expected number of USERS per batch,
         the accountant's ``sample_rate`` the users' (:class:`pergrad.dp.UserPoissonBatchSampler`
         draws such batches) and :attr:`DPStep.batch_size` the number of users. An optimizer
-        whose steps took ``user_ids`` refuses a step without them, and the reverse. The
-        per-example gradients are formed (the ghost strategy does not group users), said once
-        with a :class:`pergrad.FallbackWarning` under ``strategy="auto"``; not with
-        ``distributed`` or :func:`pergrad.dp.adaptive` clipping yet."""
+        whose steps took ``user_ids`` refuses a step without them, and the reverse. The ghost
+        strategy computes each user's norm from its examples' layer records (no per-example
+        gradient of a layer with a rule formed); where it cannot take the model, the
+        per-example gradients are formed and summed per user, said once with a
+        :class:`pergrad.FallbackWarning` under ``strategy="auto"``. Not with ``distributed``
+        or :func:`pergrad.dp.adaptive` clipping yet."""
         if batch:
             self.accumulate(*batch, user_ids=user_ids)
         elif user_ids is not None:
@@ -551,8 +553,9 @@ class DPOptimizer:
     def _warn_off_ghost(self, choice: Any) -> None:
         """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
         cannot take, or parameters without a rule whose per-example gradients are large), or
-        user-level clipping formed the per-example gradients."""
-        if not self._warned_off_ghost and self.strategy == "auto" and self._user_level:
+        user-level clipping formed the per-example gradients (the ghost strategy refused)."""
+        user_formed = self._user_level and choice.strategy != "ghost"
+        if not self._warned_off_ghost and self.strategy == "auto" and user_formed:
             self._warned_off_ghost = True
             warn_from_caller(
                 f"DPOptimizer: {choice.reason}. The steps form each micro-batch's per-example "
