@@ -212,7 +212,7 @@ def test_a_user_with_a_nonfinite_example_contributes_nothing_and_padding_is_left
     assert int(found.clipped.nonfinite) == 1  # user 4; the padded row is no user's
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     ids=st.lists(st.integers(0, 4), min_size=0, max_size=9),
     max_norm=st.floats(0.05, 3.0),

@@ -153,3 +153,18 @@ def find_reduction(rule: Any, name: str, of_quantity: Callable[..., Any]) -> Any
     ):
         return None
     return functools.partial(of_quantity, rule, quantity)
+
+
+def _user_tokens(tokens: Tokens, users: Any) -> Any:
+    return users.tokens_norms(tokens)
+
+
+def _user_lookups(lookups: Lookups, users: Any) -> Any:
+    return users.lookups_norms(lookups)
+
+
+# User-level clipping's squared norms (each user's summed gradient, in the row of its first
+# example): a user's examples play the role of one example's positions. The grouping object
+# each engine passes computes them by its framework's routes (``torch_users.UserRows``,
+# ``jax_users.UserGroups``); this registration makes every family with records take it.
+USER_SQUARED_NORMS = register_quantity("user_squared_norms", _user_tokens, _user_lookups)

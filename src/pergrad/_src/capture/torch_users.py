@@ -22,13 +22,14 @@ first real example in the batch is row ``k``; every other row is 0.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 import torch
 
 from pergrad._src.capture import cost, torch_quantities
-from pergrad._src.capture.quantities import Lookups, Tokens, register_quantity
+from pergrad._src.capture.quantities import USER_SQUARED_NORMS, Lookups, Tokens
 from pergrad._src.capture.torch_norms import (
     certified_sum_of_squares,
     magnitudes,
@@ -106,6 +107,22 @@ class UserRows:
         firsts = torch.cat([first for _, first in self.buckets])
         return rows.index_copy(0, firsts, torch.cat(values))
 
+    def tokens_norms(self, tokens: Tokens) -> Any:
+        """Each user's squared norm of ``sum_{i in u} sum_t a_it d_it^T``, certified."""
+
+        def norms(a: torch.Tensor, d: torch.Tensor) -> Any:
+            return outer_product_squared_norms(a[:, None], d[:, None])
+
+        return self.in_rows(norms, tokens.a, tokens.d)
+
+    def lookups_norms(self, lookups: Lookups) -> Any:
+        """Each user's squared norm of its table gradient: the output gradients of every
+        position of its examples that reads one row add up; certified as ``nn.Embedding``'s
+        rule is."""
+        return self.in_rows(
+            functools.partial(_table_norms, lookups.shape[0]), lookups.rows, lookups.d
+        )
+
     def formed(self, grads: torch.Tensor) -> torch.Tensor:
         """``(B, *shape)`` per-example gradients -> ``(B,)`` squared norms of each user's sum,
         in the row layout. Padding adds nothing (a non-finite padded row included)."""
@@ -119,42 +136,24 @@ class UserRows:
         return rows.index_copy(0, self.first.to(flat.device), (sums**2).sum(1))
 
 
+def _table_norms(num_rows: int, rows: torch.Tensor, d: torch.Tensor) -> Any:
+    """``(U,)`` squared norms of the table gradients of ``U`` regrouped users."""
+    count, positions, width = d.shape
+    user = torch.arange(count, device=rows.device).unsqueeze(1)
+    keys = (user * num_rows + rows).reshape(-1)
+    unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
+    row_sums = d.new_zeros(unique_keys.shape[0], width)
+    row_sums.index_add_(0, row_of_position, d.reshape(-1, width))
+    squared = d.new_zeros(count)
+    squared.index_add_(0, unique_keys // num_rows, (row_sums**2).sum(1))
+    if not cost.FAST_NORMS:
+        return squared
+    error = cost.gamma(positions, unit_roundoff(squared.dtype)) * magnitudes(d).sum(-1)
+    return certified_sum_of_squares(squared, error, width + positions)
+
+
 def _float_dtype(x: torch.Tensor) -> Any:
     return x.dtype if x.is_floating_point() else torch.get_default_dtype()
-
-
-def _tokens_norms(tokens: Tokens, users: UserRows) -> Any:
-    """Each user's squared norm of ``sum_{i in u} sum_t a_it d_it^T``, certified."""
-
-    def norms(a: torch.Tensor, d: torch.Tensor) -> Any:
-        return outer_product_squared_norms(a[:, None], d[:, None])
-
-    return users.in_rows(norms, tokens.a, tokens.d)
-
-
-def _lookups_norms(lookups: Lookups, users: UserRows) -> Any:
-    """Each user's squared norm of its table gradient: the output gradients of every position
-    of its examples that reads one row add up; certified as ``nn.Embedding``'s rule is."""
-    num_rows = lookups.shape[0]
-
-    def norms(rows: torch.Tensor, d: torch.Tensor) -> Any:
-        count, positions, width = d.shape
-        user = torch.arange(count, device=rows.device).unsqueeze(1)
-        keys = (user * num_rows + rows).reshape(-1)
-        unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
-        row_sums = d.new_zeros(unique_keys.shape[0], width)
-        row_sums.index_add_(0, row_of_position, d.reshape(-1, width))
-        squared = d.new_zeros(count)
-        squared.index_add_(0, unique_keys // num_rows, (row_sums**2).sum(1))
-        if not cost.FAST_NORMS:
-            return squared
-        error = cost.gamma(positions, unit_roundoff(squared.dtype)) * magnitudes(d).sum(-1)
-        return certified_sum_of_squares(squared, error, width + positions)
-
-    return users.in_rows(norms, lookups.rows, lookups.d)
-
-
-USER_SQUARED_NORMS = register_quantity("user_squared_norms", _tokens_norms, _lookups_norms)
 
 
 def user_squared_norms(session: CapturedPass, users: UserRows) -> Any:

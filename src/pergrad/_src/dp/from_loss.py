@@ -37,7 +37,12 @@ from pergrad._src.dp.sampling import warn_if_mask_forgotten
 from pergrad._src.dp.users import check_user_ids, user_slots
 from pergrad._src.errors import PergradValueError, Unsupported
 from pergrad._src.strategies import registry
-from pergrad._src.strategies.protocol import Assessment, ReduceRequest, StrategyChoice
+from pergrad._src.strategies.protocol import (
+    Assessment,
+    ReduceRequest,
+    StrategyChoice,
+    UserGrouping,
+)
 
 
 def clipped_sum_of(
@@ -210,9 +215,9 @@ def _user_level_run(
     policy: ClippingPolicy | None,
     user_ids: Any,
 ) -> ClippedRun:
-    """:func:`clipped_sum_run` at user level: by the ghost strategy where it runs (a PyTorch
-    ``module_loss``: each user's norms from its examples' layer records,
-    ``capture/torch_users.py``), else from the per-example gradients summed per user."""
+    """:func:`clipped_sum_run` at user level: by the ghost strategy where it takes the call
+    (each user's norms from its examples' layer records, ``capture/torch_users.py`` and
+    ``jax_users.py``), else from the per-example gradients summed per user."""
     func_name = "clipped_sum_of"
     check_user_level_strategy(func_name, strategy)
     per_group = isinstance(max_norm, (dict, list, tuple))
@@ -224,8 +229,9 @@ def _user_level_run(
         request, chosen = setup_reduce_request(
             func_name, fn, args, argnums, in_axes, "auto", chunk_size
         )
-        on_torch = request.call.backend.name == "torch"
-        if chosen.strategy == "ghost" and on_torch:
+        if strategy == "ghost" and chosen.strategy != "ghost" and request.call.batch_size:
+            chosen = registry.assess_named("reduce", request, "ghost")  # as asked, forced
+        if chosen.strategy == "ghost" and chosen.accepted:
             try:
                 return _user_level_ghost(request, chosen, max_norm, mask, policy, user_ids)
             except PergradValueError as err:
@@ -233,11 +239,7 @@ def _user_level_run(
                     raise
                 why_not = f"the ghost strategy failed ({err.__cause__})"
         else:
-            why_not = (
-                "JAX's ghost strategy does not group examples by user"
-                if chosen.strategy == "ghost"
-                else f"the ghost strategy cannot take this call: {chosen.why}"
-            )
+            why_not = f"the ghost strategy cannot take this call: {chosen.why}"
             if strategy == "ghost" and request.call.batch_size:  # (an empty batch: ordinary)
                 raise PergradValueError(
                     f"{func_name}: strategy='ghost' cannot clip by user (user_ids=) here: "
@@ -263,7 +265,7 @@ def _user_level_ghost(
     policy: ClippingPolicy | None,
     user_ids: Any,
 ) -> ClippedRun:
-    """User-level clipping by the PyTorch ghost strategy: each user's squared norms in the row
+    """User-level clipping by the ghost strategy: each user's squared norms in the row
     of its first real example (``users.user_slots``), the clip factors formed there and handed
     to every example of the user, the weighted sum from the same records as per example."""
     spec, call = request.spec, request.call
@@ -276,7 +278,8 @@ def _user_level_ghost(
     like = call.leaves[0][0]
     user_ids = check_user_ids(func_name, bk, user_ids, call.batch_size, like)
     ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [max_norm])
-    unit = like.new_ones((), dtype=like.dtype if like.is_floating_point() else None)
+    probe = like.sum()  # a 0-d 1 in the parameters' dtype and device (finite, or not)
+    unit = bk.where(bk.isfinite(probe), probe * 0 + 1, 1.0)
     groups = user_slots(bk, user_ids, mask, unit)
 
     def group_norms(squared: list[Any]) -> list[Any]:
@@ -290,11 +293,11 @@ def _user_level_ghost(
     def weights_from(squared: list[Any]) -> Any:
         # each user's clip factor, in its row, handed to each of its examples (padding: 0)
         rows = clip_weights(bk, group_norms(squared), bounds, groups.real, policy).weights
-        per_example = [w @ groups.slots.to(w.dtype) for w in rows]
+        per_example = [(w[:, None] * groups.slots).sum(0) for w in rows]  # (dtypes promote)
         return per_example[0] if ids is None else [per_example[g] for g in ids]
 
     request.weights_from = weights_from
-    request.users = (user_ids, mask)
+    request.users = UserGrouping(user_ids, mask, groups.slots)
     reduction, ran = registry.execute("reduce", request, "ghost", chosen)
     norms = group_norms(reduction.squared_norms)
     summed = rebuild_grads(spec, call, reduction.weighted_sums)

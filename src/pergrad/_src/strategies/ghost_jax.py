@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from pergrad._src.capture import cost, jax_contractions  # importing it registers the rules
 from pergrad._src.capture.jax_engine import JaxGhostPlan, JaxRecords, describe, plan, records
 from pergrad._src.capture.jax_rules import rule_for
-from pergrad._src.capture.quantities import Formed
+from pergrad._src.capture.jax_users import UserGroups
+from pergrad._src.capture.quantities import USER_SQUARED_NORMS, Formed
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.errors import PergradValueError
 from pergrad._src.strategies.protocol import (
@@ -123,21 +124,24 @@ def _listing(reasons: dict[str, str]) -> str:
 
 
 def ghost(
-    spec: Spec, call: Call, ghost_plan: JaxGhostPlan, weights_from: WeightsFn | None
+    spec: Spec,
+    call: Call,
+    ghost_plan: JaxGhostPlan,
+    weights_from: WeightsFn | None,
+    users: Any = None,
 ) -> Reduction:
     """Squared norms of every differentiated leaf (and, with ``weights_from``, the weighted sums)
-    from one vectorised forward and backward pass; see the module docstring."""
+    from one vectorised forward and backward pass; see the module docstring.
+
+    ``users``: None, or a ``protocol.UserGrouping`` for user-level clipping: the squared norms
+    are then each user's, in the row of its first real example (``capture/jax_users.py``), and
+    ``weights_from`` still gives one weight per example."""
     del spec
     found = records(call, ghost_plan)
-    squared: list[Any] = [None] * len(found.values)
-    for k, g in found.grads.items():
-        squared[k] = (g.reshape(g.shape[0], -1) ** 2).sum(axis=1)
-    for k, site in found.sites.items():
-        squared[k] = rule_for(site).squared_norms(
-            site, found.values[k], found.inputs[k], found.cotangents[k]
-        )
-    for k, group in found.shared.items():
-        squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
+    if users is not None:
+        squared = _user_squared_norms(found, UserGroups.from_slots(users.slots))
+    else:
+        squared = _squared_norms(found)
     # a rule's cost.Certified norms: the estimates reported, estimate + bound clipped by
     estimates, bounds = (list(column) for column in zip(*map(cost.split, squared)))
     if all(b is None for b in bounds):
@@ -165,6 +169,29 @@ def ghost(
     return Reduction(estimates, sums, rounding_bounds=bounds)
 
 
+def _squared_norms(found: JaxRecords) -> list[Any]:
+    squared: list[Any] = [None] * len(found.values)
+    for k, g in found.grads.items():
+        squared[k] = (g.reshape(g.shape[0], -1) ** 2).sum(axis=1)
+    for k, site in found.sites.items():
+        squared[k] = rule_for(site).squared_norms(
+            site, found.values[k], found.inputs[k], found.cotangents[k]
+        )
+    for k, group in found.shared.items():
+        squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
+    return squared
+
+
+def _user_squared_norms(found: JaxRecords, groups: UserGroups) -> list[Any]:
+    """Each leaf's users' squared norms (the row layout): from the records by the registered
+    quantity where the contraction gives tokens or lookups, else from its per-example
+    gradients summed per user."""
+    return [
+        value if reduced else groups.formed(value)
+        for value, reduced in _plug_ins(found, USER_SQUARED_NORMS.name, (groups,))
+    ]
+
+
 def _weighted_rows(records: Any, weights: Any) -> Any:
     """``records`` (``(B, ...)``) with the rows of the examples of weight 0 zeroed, so that a
     nan or inf there cannot reach the weighted sum as ``0 * nan``; integer records (lookup
@@ -182,7 +209,10 @@ def _tied_records(found: JaxRecords, k: int) -> tuple[Any, Any, Any]:
 def layerwise(call: Call, ghost_plan: JaxGhostPlan, reduction: str, args: tuple) -> list:
     """Reduction ``reduction`` (a plug-in of ``capture/jax_rules.py``) of every leaf whose
     contraction has it, from one batched pass; per-example gradients of the others."""
-    found = records(call, ghost_plan)
+    return _plug_ins(records(call, ghost_plan), reduction, args)
+
+
+def _plug_ins(found: JaxRecords, reduction: str, args: tuple) -> list[LeafReduction]:
     results: list[LeafReduction] = []
     for k, value in enumerate(found.values):
         site = found.sites.get(k)

@@ -168,14 +168,15 @@ def ghost(
     ``low_memory``: the ``"ghost-lowmem"`` strategy (each layer's norms in the backward pass's
     hooks, the sums from a second backward pass: ``torch_passes.second_pass``).
 
-    ``users``: None, or ``(user_ids, mask)`` for user-level clipping: the squared norms are
+    ``users``: None, or a ``protocol.UserGrouping`` for user-level clipping: the squared norms are
     then those of each user's summed gradient, in the row layout of ``dp/users.user_slots``
     (``torch_users.py``), and ``weights_from`` still gives one weight per example (its user's
     clip factor)."""
     if users is not None:
         assert not low_memory  # refused by name before (dp/from_loss.py)
         found = torch_passes.capture(spec, call, loss, layers, norms=False)
-        found.squared = torch_users.user_squared_norms(found, torch_users.UserRows(*users))
+        rows = torch_users.UserRows(users.user_ids, users.mask)
+        found.squared = torch_users.user_squared_norms(found, rows)
         return _reduce(loss, found, weights_from, low_memory=False, always_clean=True)
     retain = low_memory and weights_from is not None
     found = torch_passes.capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)

@@ -56,6 +56,21 @@ class Reduction(NamedTuple):
         return [s if b is None else s + b for s, b in zip(self.squared_norms, self.rounding_bounds)]
 
 
+class UserGrouping(NamedTuple):
+    """A batch's examples grouped by user, for user-level clipping by a ghost strategy.
+
+    Attributes:
+      user_ids: ``(B,)`` the examples' user ids (PyTorch reads them: ``capture/torch_users``).
+      mask: None, or ``(B,)``, False for padding, which joins no user.
+      slots: ``dp/users.user_slots``'s ``(B, B)`` grouping (JAX reads it, traced ids too:
+        ``capture/jax_users``).
+    """
+
+    user_ids: Any
+    mask: Any
+    slots: Any
+
+
 class LeafReduction(NamedTuple):
     """One differentiated leaf's result of a plug-in reduction over one captured pass.
 
@@ -148,9 +163,9 @@ class ReduceRequest:
 
     ``materialize()`` gives the per-example gradients (:func:`pergrad.per_example_grads` of the
     same call, supplied by the entry point); ``weights_from`` maps the squared norms to the
-    clipped sum's example weights (None: norms only). ``users``: None, or ``(user_ids, mask)``
-    for user-level clipping by the PyTorch ghost strategy, whose squared norms are then each
-    user's, in the row layout of ``dp/users.user_slots`` (``capture/torch_users.py``)."""
+    clipped sum's example weights (None: norms only). ``users``: None, or a
+    :class:`UserGrouping` for user-level clipping by a ghost strategy, whose squared norms are
+    then each user's, in the row layout of ``dp/users.user_slots``."""
 
     spec: Spec
     call: Call

@@ -106,6 +106,12 @@ def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[As
     )  # pragma: no cover
 
 
+def assess_named(task: str, request: Any, name: str) -> Assessment:
+    """Strategy ``name``'s assessment of a call it was asked for by name (``forced``), without
+    raising when it refuses: for callers that explain a refusal in their own terms."""
+    return _BY_NAME[task][name].assess(request, True, {})
+
+
 def execute(
     task: str, request: Any, requested: str, chosen: Assessment | None = None
 ) -> tuple[Any, str]:
@@ -242,7 +248,9 @@ def _run_ghost(request: ReduceRequest, verdict: Assessment) -> Reduction:
     if request.call.backend.name == "jax":
         from pergrad._src.strategies import ghost_jax
 
-        return ghost_jax.ghost(request.spec, request.call, choice.plan, request.weights_from)
+        return ghost_jax.ghost(
+            request.spec, request.call, choice.plan, request.weights_from, request.users
+        )
     from pergrad._src.strategies import ghost_torch
 
     return ghost_torch.ghost(
