@@ -1,8 +1,13 @@
 """Test accuracy at equal epsilon: DP-SGD, amplified banded Toeplitz noise and BLT noise.
 
-Run:  python benchmarks/dp_correlated_accuracy.py [--quick] [--workers 2] [--out PATH]
+Run:  python benchmarks/dp_correlated_accuracy.py [--quick] [--workers 2] [--framework both]
+      [--out PATH]
 
-PyTorch, ``pergrad.dp.DPOptimizer`` around plain SGD (no momentum). A 64-32-10 tanh MLP on
+PyTorch, ``pergrad.dp.DPOptimizer`` around plain SGD (no momentum), and JAX,
+``pergrad.dp.dpsgd(..., noise=mech)`` (``optax_aggregate`` then ``optax.sgd``) on per-example
+gradients from ``pergrad.per_example_grads``, the whole run one ``jax.lax.scan`` over batches
+padded to one size (``pad_batch``, masked). ``--framework torch | jax | both`` (default both)
+picks the rows. A 64-32-10 tanh MLP on
 scikit-learn's digits: the 1797 images split once into 1347 training and 450 test images
 (``train_test_split(test_size=0.25, random_state=0)``), and 270 of the training images held out
 for validation (``random_state=1``), so 1077 are trained on. ``k = 16`` steps make an epoch,
@@ -25,17 +30,23 @@ or fixed) and ``delta = 1e-5``. Every noise multiplier is calibrated with the PL
   order every epoch (each example in one step per epoch, ``k`` steps apart).
 - **non-private**: the same fixed batches, mean loss, no clipping or noise (a reference).
 
+The JAX rows draw their batches with the numpy samplers (``poisson_batches``,
+``cyclic_poisson_batches``, a numpy permutation for the fixed order) and initialise the MLP as
+PyTorch does (uniform in ``+-1 / sqrt(fan_in)``) from a JAX key: the same methods, mechanisms,
+noise multipliers and grid, independent draws.
+
 Hyperparameters: the same grid for every method and epsilon (``LEARNING_RATES x
 MAX_NORMS``); each configuration trains ``SEEDS`` seeds (the seed draws the initial weights,
 the batches or the fixed order and groups, and the noise); the configuration of the best mean
-VALIDATION accuracy is reported per (method, epsilon), with its TEST accuracy over the seeds
-(mean, sample standard deviation, min and max). Runs go to ``--workers`` processes of one
-thread each.
+VALIDATION accuracy is reported per (framework, method, epsilon), with its TEST accuracy over
+the seeds (mean, sample standard deviation, min and max). Runs go to ``--workers`` processes of
+one thread each (a JAX job trains every seed of one configuration, compiled once).
 
 Then the cost of the noise: one ``DPOptimizer.step`` with each mechanism on the same model and
 batch (interleaved rounds, ``pergrad.bench.timing``), on the digits MLP and on a 64-1024-1024-10
 MLP, and the bytes of the buffers each mechanism keeps (``num_buffers`` arrays shaped like the
-parameters). ``--quick``: 2 epochs, one seed, one configuration, epsilon 8, 3 timing rounds.
+parameters), in PyTorch. ``--quick``: 2 epochs, one seed, one configuration, epsilon 8, 3
+timing rounds.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -80,6 +92,7 @@ QUICK = {
     "accountant": "rdp",  # PLD calibrations at few steps take seconds each
 }
 METHODS = ("DP-SGD", "banded, amplified", "BLT", "non-private")
+FRAMEWORKS = {"torch": ("torch",), "jax": ("jax",), "both": ("torch", "jax")}
 
 _DATA: dict[str, Any] = {}  # the split, set before the workers fork
 
@@ -285,28 +298,152 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
     return {**job, **accuracy}
 
 
-def run_all(plans: list[dict[str, Any]], settings: dict[str, Any], workers: int) -> list[dict]:
+def jax_batches(method: str, mech: Any, n: int, steps: int, seed: int) -> list[np.ndarray]:
+    """The JAX rows' batch indices, drawn with the numpy samplers as :func:`batches` draws the
+    PyTorch rows' (independent draws from the same distributions)."""
+    from pergrad import dp
+
+    if method == "DP-SGD":
+        return list(dp.poisson_batches(n, 1.0 / STEPS_PER_EPOCH, steps, seed=10_000 + seed))
+    if method == "banded, amplified":
+        return list(dp.cyclic_poisson_batches(n, noise=mech, seed=10_000 + seed))
+    order = np.random.default_rng(10_000 + seed).permutation(n)
+    fixed = np.array_split(order, STEPS_PER_EPOCH)
+    return [fixed[t % STEPS_PER_EPOCH] for t in range(steps)]
+
+
+def padded(batch_list: list[np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, size)`` indices and masks: every batch padded to one size, so one compile."""
+    from pergrad import dp
+
+    size = max(size, max(len(b) for b in batch_list))
+    pairs = [dp.pad_batch(b, size) for b in batch_list]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def jax_mlp(key: Any) -> dict[str, Any]:
+    """64-32-10, initialised as ``torch.nn.Linear`` is: uniform in ``+-1 / sqrt(fan_in)``."""
+    import jax
+
+    params = {}
+    for name, (fan_in, fan_out) in (("1", (64, HIDDEN)), ("2", (HIDDEN, 10))):
+        key, w_key, b_key = jax.random.split(key, 3)
+        bound = fan_in**-0.5
+        params["w" + name] = jax.random.uniform(w_key, (fan_out, fan_in), minval=-bound,
+                                                maxval=bound)  # fmt: skip
+        params["b" + name] = jax.random.uniform(b_key, (fan_out,), minval=-bound, maxval=bound)
+    return params
+
+
+def train_jax(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Trains one (plan, lr, max_norm) configuration in JAX for every seed: ``dpsgd(...,
+    noise=mech)`` (or ``optax.sgd`` on the mean loss, non-private), the run one jitted
+    ``lax.scan``, compiled once for the seeds; returns one result per seed."""
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import pergrad
+    from pergrad import dp
+
+    data = {name: jnp.asarray(value) for name, value in _DATA.items()}
+    n, steps, k = len(_DATA["x"]), job["steps"], STEPS_PER_EPOCH
+    method, mech = job["method"], build_mechanism(job["mech"])
+    private = method != "non-private"
+
+    def loss(params: Any, x: Any, y: Any) -> Any:  # one example
+        hidden = jnp.tanh(params["w1"] @ x + params["b1"])
+        return -jax.nn.log_softmax(params["w2"] @ hidden + params["b2"])[y]
+
+    def make_tx(noise_key: Any) -> Any:
+        if not private:
+            return optax.sgd(job["lr"])
+        return dp.dpsgd(job["lr"], job["max_norm"], job["sigma"], noise_key,
+                        expected_batch_size=n / k, noise=mech)  # fmt: skip
+
+    per_example = pergrad.per_example_grads(loss)
+
+    @jax.jit
+    def run(params: Any, noise_key: Any, indices: Any, masks: Any) -> Any:
+        tx = make_tx(noise_key)
+
+        def step(carry: Any, batch: Any) -> Any:
+            params, state = carry
+            index, mask = batch
+            x, y = data["x"][index], data["y"][index]
+            if private:
+                grads = per_example(params, x, y)
+                updates, state = tx.update(grads, state, params, mask=mask)
+            else:
+                weights = mask / jnp.maximum(mask.sum(), 1)
+                grads = jax.grad(lambda p: (jax.vmap(loss, (None, 0, 0))(p, x, y) * weights).sum())(
+                    params
+                )
+                updates, state = tx.update(grads, state, params)
+            return (optax.apply_updates(params, updates), state), None
+
+        (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), (indices, masks))
+        return params
+
+    # one padded size for every seed (a batch above it, rare, compiles once more)
+    size = dp.max_batch_size_for(n, 1.0 / k, 1e-6 / steps)
+    results = []
+    for seed in range(job["seeds"]):
+        indices, masks = padded(jax_batches(method, mech, n, steps, seed), size)
+        params = run(jax_mlp(jax.random.key(seed)), jax.random.key(20_000 + seed),
+                     jnp.asarray(indices), jnp.asarray(masks))  # fmt: skip
+
+        def accuracy(split: str, params: Any = params) -> float:
+            hidden = jnp.tanh(data[f"x_{split}"] @ params["w1"].T + params["b1"])
+            logits = hidden @ params["w2"].T + params["b2"]
+            return float((logits.argmax(1) == data[f"y_{split}"]).mean())
+
+        results.append({**job, "seed": seed, "val": accuracy("val"), "test": accuracy("test")})
+    return results
+
+
+def _train(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return train_jax(job) if job["framework"] == "jax" else [train(job)]
+
+
+def run_all(
+    plans: list[dict[str, Any]], settings: dict[str, Any], workers: int, frameworks: tuple
+) -> list[dict]:
+    """Every (framework, plan, lr, max_norm, seed) run. A PyTorch job is one seed; a JAX job is
+    every seed of one configuration (one compile)."""
     steps = settings["epochs"] * STEPS_PER_EPOCH
     jobs = [
         {**{key: plan[key] for key in ("method", "epsilon", "sigma", "mech")},
-         "steps": steps, "lr": lr, "max_norm": max_norm, "seed": seed}
+         "framework": framework, "steps": steps, "lr": lr, "max_norm": max_norm, "seed": seed,
+         "seeds": settings["seeds"]}
+        for framework in frameworks
         for plan in plans
         for lr in settings["learning_rates"]
         for max_norm in (settings["max_norms"] if plan["method"] != "non-private" else (None,))
-        for seed in range(settings["seeds"])
+        for seed in (range(settings["seeds"]) if framework == "torch" else (None,))
     ]  # fmt: skip
-    print(f"{len(jobs)} training runs on {workers} worker(s)...", file=sys.stderr)
+    print(f"{len(jobs)} training jobs on {workers} worker(s)...", file=sys.stderr)
+    # the JAX jobs first: longest (a compile and every seed), so the pool ends evenly
+    jobs.sort(key=lambda job: job["framework"] != "jax")
     if workers == 1:
-        return [train(job) for job in jobs]
+        return [run for job in jobs for run in _train(job)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return pool.map(train, jobs, chunksize=1)
+        return [run for runs in pool.map(_train, jobs, chunksize=1) for run in runs]
 
 
-def best_rows(plans: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def best_rows(
+    plans: list[dict[str, Any]], runs: list[dict[str, Any]], framework: str
+) -> list[dict[str, Any]]:
     """Per plan, the configuration of best mean validation accuracy, with its test numbers."""
     rows = []
     for plan in plans:
-        mine = [r for r in runs if (r["method"], r["epsilon"]) == (plan["method"], plan["epsilon"])]
+        mine = [
+            r
+            for r in runs
+            if (r["framework"], r["method"], r["epsilon"])
+            == (framework, plan["method"], plan["epsilon"])
+        ]
         configs: dict[tuple, list[dict]] = {}
         for run in mine:
             configs.setdefault((run["lr"], run["max_norm"]), []).append(run)
@@ -435,6 +572,10 @@ def notes(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
         "visited in the same order every epoch, as jax-privacy runs DP-FTRL; no amplification "
         "(one Gaussian release).",
         "- non-private: the same fixed batches, mean cross-entropy, no clipping or noise.",
+        "- JAX rows: the same methods, mechanisms and noise multipliers, the batches drawn by "
+        "the numpy samplers (`poisson_batches`, `cyclic_poisson_batches`, a numpy permutation "
+        "for the fixed order) and padded to one size with a mask; independent draws from the "
+        "PyTorch rows', so the two tables differ by seed noise as well as by framework.",
         "",
         "prefix-sum RMSE: `noise_multiplier * sensitivity * sqrt(max_error)` (DP-SGD: "
         "`noise_multiplier * sqrt(steps)`), the worst step's error of the running sum of noisy "
@@ -445,7 +586,20 @@ def notes(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def header(args: argparse.Namespace, settings: dict[str, Any], load_at_start: str, wall: float):
+TABLE_TITLES = {
+    "torch": "PyTorch (`pergrad.dp.DPOptimizer(..., noise=mech)` around `torch.optim.SGD`):",
+    "jax": "JAX (`pergrad.dp.dpsgd(..., noise=mech)`: `optax_aggregate` then `optax.sgd`, on "
+    "`pergrad.per_example_grads`; the run one jitted `lax.scan`):",
+}
+
+
+def header(
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    load_at_start: str,
+    wall: float,
+    frameworks: tuple[str, ...],
+) -> str:
     grid = (
         f"lr {list(settings['learning_rates'])} x clip {list(settings['max_norms'])}, "
         f"{settings['seeds']} seed(s) each, chosen per (method, epsilon) by mean validation "
@@ -454,9 +608,14 @@ def header(args: argparse.Namespace, settings: dict[str, Any], load_at_start: st
     return titled(
         "dp_correlated_accuracy.py: DP-SGD, banded and BLT noise at equal epsilon on digits",
         [
-            f"machine: {machine.cpu_and_cores()}; {args.workers} worker process(es) of 1 torch "
-            "thread",
-            machine.software("torch", "dp-accounting", "scikit-learn", "pergrad"),
+            f"machine: {machine.cpu_and_cores()}; {args.workers} worker process(es) of 1 thread",
+            machine.software(
+                *(("torch",) if "torch" in frameworks else ()),
+                *(("jax", "optax") if "jax" in frameworks else ()),
+                "dp-accounting",
+                "scikit-learn",
+                "pergrad",
+            ),
             f"date: {machine.timestamp()}",
             f"load average (1, 5, 15 min): {machine.load_span(load_at_start)}",
             f"command: `{machine.command_line()}` ({'quick' if args.quick else 'full'} mode, "
@@ -475,29 +634,38 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seconds: a smoke run")
     parser.add_argument("--workers", type=int, default=2, help="training processes")
+    parser.add_argument(
+        "--framework", choices=sorted(FRAMEWORKS), default="both", help="which rows to train"
+    )
     parser.add_argument("--out", help="also write the markdown, with a machine header, here")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP order notes
     settings = QUICK if args.quick else FULL
+    frameworks = FRAMEWORKS[args.framework]
     load_at_start = machine.load_average()
     start = time.perf_counter()
     _DATA.update(load_split())
     plans = plan_mechanisms(settings)
-    runs = run_all(plans, settings, max(1, args.workers))
-    rows = best_rows(plans, runs)
-    costs = step_costs(plans, settings["timing_rounds"])
-    wall = time.perf_counter() - start
-    text = "\n\n".join(
-        [
-            accuracy_table(rows),
-            notes(rows, settings),
-            "What the noise adds to a step (same model, same batch of 67, DPOptimizer, "
-            f"median of {settings['timing_rounds']} interleaved rounds; buffers: arrays "
-            "shaped like the parameters, float32):",
+    runs = run_all(plans, settings, max(1, args.workers), frameworks)
+    rows = {framework: best_rows(plans, runs, framework) for framework in frameworks}
+    sections = []
+    for framework in frameworks:
+        sections += [TABLE_TITLES[framework], accuracy_table(rows[framework])]
+    sections.append(notes(rows[frameworks[0]], settings))
+    if "torch" in frameworks:
+        costs = step_costs(plans, settings["timing_rounds"])
+        sections += [
+            "What the noise adds to a step (PyTorch: same model, same batch of 67, "
+            f"DPOptimizer, median of {settings['timing_rounds']} interleaved rounds; buffers: "
+            "arrays shaped like the parameters, float32):",
             cost_table(costs),
         ]
+    wall = time.perf_counter() - start
+    publish(
+        "\n\n".join(sections),
+        args.out,
+        lambda: header(args, settings, load_at_start, wall, frameworks),
     )
-    publish(text, args.out, lambda: header(args, settings, load_at_start, wall))
 
 
 if __name__ == "__main__":

@@ -345,3 +345,45 @@ def test_dp_transformers_jax_benchmark_quick_run(tmp_path) -> None:
     assert {"pergrad ghost", "pergrad optax"} <= set(differences), agreement
     assert all(float(value) < 1e-4 for value in differences.values()), agreement
     assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text
+
+
+@pytest.mark.slow(
+    reason="a subprocess quick run that starts 1 then 2 gloo processes, each importing torch, "
+    "transformers and Opacus: 59 s on the shared 2-core machine (30 s of CPU)"
+)
+def test_fsdp_memory_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/fsdp_memory.py --quick: every method has a row for 1 and 2 processes,
+    pergrad's step on the sharded model takes the FSDP path, each of 2 processes holds half of
+    one process's state, and the DP methods' noiseless updates equal one process's on the
+    union of the batches (Opacus's, or the reason it did not run)."""
+    import re
+
+    import torch
+
+    pytest.importorskip("transformers", reason="the FSDP benchmark runs a Hugging Face GPT-2")
+    pytest.importorskip("opacus", reason="the FSDP benchmark compares with Opacus")
+    if not torch.distributed.is_available():
+        pytest.skip("this PyTorch build has no torch.distributed")
+    out = tmp_path / "fsdp_memory.md"
+    command = [sys.executable, "benchmarks/fsdp_memory.py", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# DP-SGD on a GPT-2 sharded with FSDP2")
+    assert "- uptime at the start: " in text and "opacus " in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # no header rows
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        rows[(cells[0], cells[1])] = cells
+    methods = ("non-private", "pergrad DP", "Opacus ghost")
+    assert set(rows) == {(world, method) for world in ("1", "2") for method in methods}
+    assert rows[("1", "pergrad DP")][-1].startswith("strategy ghost,")
+    assert rows[("2", "pergrad DP")][-1].startswith("strategy ghost-fsdp,")
+    for method in ("non-private", "pergrad DP"):
+        _, _, ms, time_ratio, state, state_ratio, *_ = rows[("2", method)]
+        assert float(ms) > 0 and time_ratio.endswith("x") and float(state) > 0
+        assert 0.45 <= float(state_ratio.split("x")[0]) <= 0.55, state_ratio  # 1/N of N=1's
+    agreement = next(line for line in text.splitlines() if line.startswith("- N=2: whole"))
+    differences = dict(re.findall(r"(pergrad DP|Opacus ghost) (\d\.\de[+-]\d+)", agreement))
+    assert float(differences["pergrad DP"]) < 1e-4, agreement
+    assert "Opacus ghost did not run" in agreement or float(differences["Opacus ghost"]) < 1e-3

@@ -37,6 +37,8 @@ NUM_EXAMPLES, SAMPLE_RATE, STEPS, SAMPLER_SEED = 12, 0.2, 8, 5
 MAX_NORM, NOISE_MULTIPLIER, NOISE_SEED = 0.5, 1.0, 1234
 EXPECTED_BATCH_SIZE = SAMPLE_RATE * NUM_EXAMPLES
 PERTURBED = "2.weight"  # the parameter the last rank changes in the mismatch scenario
+# adaptive clipping: the bound moves fast, its noisy count drawn from rank 0's generator
+ADAPTIVE = dp.adaptive(count_noise_std=0.5, target_quantile=0.3, learning_rate=0.8)
 
 
 # --- shared by the workers and the single-process references ---------------------------------
@@ -155,6 +157,22 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     optimizer.step(x[indices], y[indices])
     seen["noise"] = params_of(model)
 
+    # Adaptive clipping, the gradient's noise off, the count's on: each rank seeds its
+    # generator differently, and only rank 0's may draw the count noise.
+    model = make_model()
+    optimizer = dp_optimizer(
+        model,
+        0.5,
+        0.9,
+        noise_multiplier=0.0,
+        generator=torch.Generator().manual_seed(NOISE_SEED + rank),
+        clipping=ADAPTIVE,
+        distributed=True,
+    )
+    seen["adaptive stats"] = [optimizer.step(x[i], y[i]) for i in batches(world_size, rank)]
+    seen["adaptive bound"] = optimizer.max_norm
+    seen["adaptive"] = params_of(model)
+
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
     torch.distributed.destroy_process_group()
@@ -209,6 +227,40 @@ def single_process_run() -> tuple[list[dp.DPStep], dict[str, torch.Tensor]]:
     optimizer = dp_optimizer(model, 0.5, 0.9, noise_multiplier=0.0)
     stats = [optimizer.step(x[i], y[i]) for i in batches()]
     return stats, params_of(model)
+
+
+def single_process_adaptive_run() -> tuple[list[dp.DPStep], float, dict[str, torch.Tensor]]:
+    x, y = make_data()
+    model = make_model()
+    optimizer = dp_optimizer(
+        model,
+        0.5,
+        0.9,
+        noise_multiplier=0.0,
+        generator=torch.Generator().manual_seed(NOISE_SEED),
+        clipping=ADAPTIVE,
+    )
+    stats = [optimizer.step(x[i], y[i]) for i in batches()]
+    return stats, optimizer.max_norm, params_of(model)
+
+
+def test_adaptive_clipping_moves_every_rank_to_the_single_process_bounds(workers):
+    """Adaptive clipping across processes: the unclipped count is summed over the ranks and
+    noised once (rank 0's generator) before the bound moves, so every rank clips each step at
+    the single-process bound of the union, ends with the same bound and the same weights.
+    A rank that moved on its own count, or a count noised on every rank, would not."""
+    world_size, seen = workers
+    stats, bound, expected = single_process_adaptive_run()
+    trajectory = [s.max_norm for s in stats] + [bound]
+    assert len(set(np.round(trajectory, 6))) > 3  # the bound moves from step to step
+    for rank in range(world_size):
+        got = [s.max_norm for s in seen[rank]["adaptive stats"]] + [seen[rank]["adaptive bound"]]
+        np.testing.assert_allclose(got, trajectory, rtol=1e-5)
+        assert got == [s.max_norm for s in seen[0]["adaptive stats"]] + [seen[0]["adaptive bound"]]
+        for name, value in expected.items():
+            torch.testing.assert_close(seen[rank]["adaptive"][name], value, rtol=1e-5, atol=1e-6)
+            assert torch.equal(seen[rank]["adaptive"][name], seen[0]["adaptive"][name])
+        assert [s.batch_size for s in seen[rank]["adaptive stats"]] == [s.batch_size for s in stats]
 
 
 def test_the_sampled_steps_include_empty_shards_on_every_rank():

@@ -1,7 +1,9 @@
 """Audits of pergrad's own DP training paths, each run the way a user would: PyTorch's
 ``DPOptimizer`` (ghost and materialised strategies), JAX's ``optax_aggregate`` transform
 (materialised per-example gradients) and ``private_grad_of`` (ghost). Each correct run stays
-below its claim; each run with the noise off is caught.
+below its claim; each run with the noise off is caught. ``DPOptimizer`` with correlated noise
+(banded Toeplitz, BLT) stays below the mechanism's claim, and is caught with the sensitivity
+under-stated or the noising matrix scaled down (the section's comment has the setting).
 
 Gradient canaries reach the optax transform as extra rows of per-example gradients
 (``GradientCanaries.inject``). ``DPOptimizer`` and ``private_grad_of`` compute their
@@ -74,9 +76,10 @@ def w1_canaries(w1):
     return dp.GradientCanaries({"w1": w1}, NUM_CANARIES, sample_rate=SAMPLE_RATE, seed=7)
 
 
-def audit(canaries, run, reference, noise_multiplier, claimed_noise, keys=("w1",)):
+def audit(canaries, run, reference, noise_multiplier, claimed_noise, keys=("w1",), **claim):
     """``dp.audit`` of ``run(canaries, noise_multiplier) -> final params`` (seed 202), the
-    canaries scored on the parameters ``keys``."""
+    canaries scored on the parameters ``keys``; the claim is ``claimed_noise`` with ``claim``
+    (default: Poisson sampling at ``SAMPLE_RATE`` for ``STEPS`` steps)."""
 
     def train(canaries):
         final = run(canaries, noise_multiplier)
@@ -84,14 +87,8 @@ def audit(canaries, run, reference, noise_multiplier, claimed_noise, keys=("w1",
             {k: final[k] for k in keys}, reference={k: reference[k] for k in keys}
         )
 
-    return dp.audit(
-        train,
-        canaries,
-        noise_multiplier=claimed_noise,
-        sample_rate=SAMPLE_RATE,
-        steps=STEPS,
-        delta=1e-5,
-    )
+    claim = claim or {"sample_rate": SAMPLE_RATE, "steps": STEPS}
+    return dp.audit(train, canaries, noise_multiplier=claimed_noise, delta=1e-5, **claim)
 
 
 # --- PyTorch: DPOptimizer ------------------------------------------------------------------
@@ -133,7 +130,7 @@ class TorchRunner:
             model.fc2.bias.copy_(self.torch.from_numpy(weights["b2"]))
         return model
 
-    def run(self, canaries, noise_multiplier, strategy, seed=202):
+    def run(self, canaries, noise_multiplier, strategy, seed=202, noise=None):
         torch = self.torch
         model = self.model()
         optimizer = dp.DPOptimizer(
@@ -145,6 +142,7 @@ class TorchRunner:
             expected_batch_size=SAMPLE_RATE * self.n,
             generator=torch.Generator().manual_seed(seed),
             strategy=strategy,
+            noise=noise,
         )
         for step, batch in enumerate(dp.poisson_batches(self.n, SAMPLE_RATE, STEPS, seed=seed)):
             batch = torch.as_tensor(batch)
@@ -231,6 +229,125 @@ def test_torch_dp_optimizer_without_noise_is_caught(torch_runner, strategy):
     assert report.violated, str(report)
 
 
+# --- PyTorch: DPOptimizer with correlated noise ------------------------------------------------
+#
+# A mechanism made for one run is accounted as ONE Gaussian release of the noise multiplier for
+# the participation pattern it was made for. The canaries take part in every step
+# (``sample_rate=1.0``) and the mechanisms are made for that (``participations=STEPS``): each
+# canary's signal then adds up in the final weights as the prefix sums' noise does, so the
+# final model shows nearly all of the release's signal-to-noise ratio (0.98 of it for the
+# banded strategy, 0.84 for the BLT: ``STEPS / (||C 1|| ||M^T 1||)``). The run is exactly a
+# Gaussian mechanism, so the audit uses the Gaussian trade-off curve (``method="f-dp"``).
+# Claim: noise 1.5, epsilon 2.98 (mu 0.67); the broken runs reach mu 8 (the sensitivity of one
+# participation, ||coefs|| = 1.27 instead of ||C 1|| = 16.0) and mu 2.2 (the noise a quarter of
+# M z), which 1000 canaries refute.
+
+CORRELATED_NOISE = 1.5
+BANDED_COEFS = [1.0, 0.6, 0.4, 0.3]
+BLT_DECAYS, BLT_SCALES = [0.9], [0.5]
+
+
+def banded(participations=STEPS):
+    return dp.toeplitz(BANDED_COEFS, steps=STEPS, participations=participations)
+
+
+def blt_mechanism():
+    return dp.blt(BLT_DECAYS, BLT_SCALES, steps=STEPS, participations=STEPS)
+
+
+class QuarterNoiseBLT(dp.BLTNoise):
+    """A broken BLT: its noise is a quarter of ``M z`` (the noising coefficients scaled down),
+    while its sensitivity, and so the claim, are those of the right mechanism."""
+
+    def _next_draw(self, z, buffers, in_place):
+        draw, buffers = super()._next_draw(z, buffers, in_place)
+        return draw * 0.25, buffers
+
+
+def correlated_audit(torch_runner, run_noise, claim_noise):
+    """``dp.audit`` of ``DPOptimizer(noise=run_noise)`` (ghost) against the claim of
+    ``claim_noise``, canaries in every step, scored on ``w1``."""
+    runner, reference = torch_runner
+    canaries = dp.GradientCanaries(
+        {"w1": runner.model().fc1.weight.detach()}, NUM_CANARIES, sample_rate=1.0, seed=7
+    )
+
+    def run(canaries, noise_multiplier):
+        return runner.run(canaries, noise_multiplier, "ghost", noise=run_noise)
+
+    return audit(
+        canaries,
+        run,
+        reference,
+        CORRELATED_NOISE,
+        CORRELATED_NOISE,
+        noise=claim_noise,
+        method="f-dp",
+    )
+
+
+def test_the_correlated_noise_setting_is_as_stated():
+    """The numbers the section's comment relies on, from the matrices."""
+    for mech, ratio in ((banded(), 0.98), (blt_mechanism(), 0.84)):
+        strategy, noising = mech.strategy_matrix(), mech.noising_matrix()
+        ones = np.ones(STEPS)
+        assert mech.sensitivity() == pytest.approx(np.linalg.norm(strategy @ ones))  # every step
+        final = STEPS / (np.linalg.norm(strategy @ ones) * np.linalg.norm(noising.T @ ones))
+        assert final == pytest.approx(ratio, abs=0.005)
+    assert banded(participations=1).sensitivity() == pytest.approx(np.linalg.norm(BANDED_COEFS))
+    claim = dp.epsilon(noise_multiplier=CORRELATED_NOISE, delta=1e-5, noise=banded())
+    assert claim == pytest.approx(2.98, abs=0.01)
+    assert dp.epsilon(noise_multiplier=CORRELATED_NOISE, delta=1e-5, noise=blt_mechanism()) == claim
+    scaled = QuarterNoiseBLT(BLT_DECAYS, BLT_SCALES, STEPS, participations=STEPS)
+    assert scaled.sensitivity() == blt_mechanism().sensitivity()
+
+
+@pytest.mark.parametrize("mechanism", [banded, blt_mechanism], ids=["banded", "blt"])
+def test_torch_correlated_noise_stays_below_its_claim(torch_runner, mechanism):
+    report = correlated_audit(torch_runner, mechanism(), mechanism())
+    assert report.ceiling > report.epsilon  # 1000 canaries could have refuted the claim
+    assert not report.violated and report.epsilon_lower_bound < report.epsilon, str(report)
+
+
+def test_torch_correlated_noise_with_the_sensitivity_understated_is_caught(torch_runner):
+    """The noise of a mechanism made for one participation, in a run whose examples take part
+    in every step (the claim is made for that)."""
+    report = correlated_audit(torch_runner, banded(participations=1), banded())
+    assert report.violated, str(report)
+
+
+def test_torch_correlated_noise_with_the_noising_matrix_scaled_down_is_caught(torch_runner):
+    broken = QuarterNoiseBLT(BLT_DECAYS, BLT_SCALES, STEPS, participations=STEPS)
+    report = correlated_audit(torch_runner, broken, blt_mechanism())
+    assert report.violated, str(report)
+
+
+def test_audit_refuses_canaries_outside_the_mechanisms_participation_pattern():
+    """Before any training: Poisson canaries (rate 0.05, so some join two steps in a row)
+    against a mechanism made for one participation, or for cyclic Poisson sampling."""
+
+    def train(canaries):
+        raise AssertionError("the audit trained before checking the canaries")
+
+    torch = pytest.importorskip("torch", reason="canaries over torch parameters")
+    params = {"w1": torch.from_numpy(initial_weights()["w1"])}
+    poisson = dp.GradientCanaries(params, NUM_CANARIES, sample_rate=SAMPLE_RATE, seed=7)
+    with pytest.raises(ValueError, match=r"at most 1 steps at least 1 apart") as caught:
+        dp.audit(train, poisson, noise_multiplier=1.0, delta=1e-5, noise=banded(1))
+    assert "take part in up to " in str(caught.value) and "sample_rate=1.0" in str(caught.value)
+    separated = dp.toeplitz(BANDED_COEFS, steps=STEPS, participations=5, min_separation=10)
+    every_step = dp.GradientCanaries(params, NUM_CANARIES, sample_rate=1.0, seed=7)
+    with pytest.raises(ValueError, match="1 step\\(s\\) apart at the closest"):
+        dp.audit(train, every_step, noise_multiplier=1.0, delta=1e-5, noise=separated)
+    cyclic = dp.toeplitz(BANDED_COEFS, steps=STEPS, min_separation=4, sample_rate=0.2)
+    with pytest.raises(ValueError, match="cyclic Poisson sampling over 4 groups"):
+        dp.audit(train, poisson, noise_multiplier=1.0, delta=1e-5, noise=cyclic)
+    with pytest.raises(ValueError, match="steps=10 disagrees with noise="):
+        dp.audit(train, every_step, noise_multiplier=1.0, steps=10, delta=1e-5, noise=banded())
+    with pytest.raises(ValueError, match="audit: method must be 'one-run' or 'f-dp'"):
+        dp.audit(train, every_step, noise_multiplier=1.0, delta=1e-5, noise=banded(), method="x")
+
+
 # --- JAX: optax_aggregate and private_grad_of -------------------------------------------------
 
 
@@ -311,9 +428,10 @@ class JaxRunner:
             params = step(params, x, y, u, jnp.concatenate([mask, mask_c]), noise_key)
         return params
 
-    def run_optax(self, canaries, noise_multiplier, seed=202):
-        """``pergrad.dp.optax_aggregate`` on materialised per-example gradients (the canaries
-        injected as gradient rows), chained with ``optax.sgd``."""
+    def run_optax(self, canaries, noise_multiplier, seed=202, noise=None):
+        """``pergrad.dp.optax_aggregate`` (with the mechanism ``noise``) on materialised
+        per-example gradients (the canaries injected as gradient rows), chained with
+        ``optax.sgd``."""
         import optax
 
         jax, jnp = self.jax, self.jax.numpy
@@ -323,24 +441,27 @@ class JaxRunner:
                 noise_multiplier,
                 jax.random.key(seed, impl="rbg"),
                 expected_batch_size=SAMPLE_RATE * self.n,
+                noise=noise,
             ),
             optax.sgd(LR),
         )
-        if ("optax", noise_multiplier) not in self.compiled:
+        if ("optax", noise_multiplier, noise) not in self.compiled:
 
             @jax.jit
             def step(params, state, grads, mask):
                 updates, state = tx.update(grads, state, params, mask=mask)
                 return optax.apply_updates(params, updates), state
 
-            self.compiled["optax", noise_multiplier] = step
-        step = self.compiled["optax", noise_multiplier]
+            self.compiled["optax", noise_multiplier, noise] = step
+        step = self.compiled["optax", noise_multiplier, noise]
+        every_step = canaries.sample_rate == 1.0  # every included canary, every step
+        pad = canaries.num_included if every_step else self.canary_rows
         params = self.params()
         state = tx.init(params)
         no_u = jnp.zeros((self.size, HIDDEN))
         for index, indices, mask, _ in self.batches(canaries, seed, False):
             grads = self.per_example(params, self.x[indices], self.y[indices], no_u)
-            grads, mask = canaries.inject(grads, mask, index, pad_to=self.canary_rows)
+            grads, mask = canaries.inject(grads, mask, index, pad_to=pad)
             params, state = step(params, state, grads, mask)
         return params
 
@@ -374,4 +495,35 @@ def test_jax_optax_aggregate_stays_below_its_claim_and_is_caught_without_noise(j
     assert correct.ceiling > correct.epsilon  # 1000 canaries could have refuted the claim
     assert not correct.violated and correct.epsilon_lower_bound < correct.epsilon, str(correct)
     broken = audit(canaries, runner.run_optax, reference, 0.0, claimed_noise=2.0, keys=every)
+    assert broken.violated, str(broken)
+
+
+@pytest.mark.slow(reason="two JAX audit runs, 500 canary rows a step: about 30 s on 2 busy cores")
+def test_jax_optax_aggregate_correlated_noise_stays_below_its_claim_and_is_caught(jax_runner):
+    """``optax_aggregate(noise=mech)``, canaries injected in every step (the setting of the
+    PyTorch correlated-noise audits above): the BLT run stays below its claim, the banded run
+    with the sensitivity of one participation is caught."""
+    runner, reference = jax_runner
+    canaries = dp.GradientCanaries(runner.params(), NUM_CANARIES, sample_rate=1.0, seed=7)
+    every = ("w1", "w2", "b2")
+
+    def audit_of(run_noise, claim_noise):
+        def run(canaries, noise_multiplier):
+            return runner.run_optax(canaries, noise_multiplier, noise=run_noise)
+
+        return audit(
+            canaries,
+            run,
+            reference,
+            CORRELATED_NOISE,
+            CORRELATED_NOISE,
+            keys=every,
+            noise=claim_noise,
+            method="f-dp",
+        )
+
+    correct = audit_of(blt_mechanism(), blt_mechanism())
+    assert correct.ceiling > correct.epsilon
+    assert not correct.violated and correct.epsilon_lower_bound < correct.epsilon, str(correct)
+    broken = audit_of(banded(participations=1), banded())
     assert broken.violated, str(broken)

@@ -175,3 +175,106 @@ def test_bad_arguments_are_named(tmp_path):
     run.label_name = "targets"
     with pytest.raises(ValueError, match="label_name='targets'"):
         run.train()
+
+
+# --- clipping policies -------------------------------------------------------------------
+
+
+def dp_optimizer_weights(model, steps, clipping, sampling_seed=3):
+    """The same Poisson batches through ``pergrad.dp.DPOptimizer`` around ``torch.optim.SGD``
+    (noise off): the weights and the final bound."""
+    model = copy.deepcopy(model)
+    optimizer = pergrad.dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        lm_loss,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=RATE * N,
+        clipping=clipping,
+    )
+    data = dataset()
+    sampler = pergrad.dp.PoissonBatchSampler(
+        N, RATE, steps, torch.Generator().manual_seed(sampling_seed)
+    )
+    for indices in sampler:
+        ids = torch.stack([data[i]["input_ids"] for i in indices]).reshape(-1, T)
+        optimizer.step({"input_ids": ids}, ids)
+    return dict(model.named_parameters()), optimizer.max_norm
+
+
+@pytest.mark.parametrize(
+    "clipping",
+    [
+        pergrad.dp.automatic(gamma=0.01),
+        pergrad.dp.adaptive(count_noise_std=0.0, target_quantile=0.3, learning_rate=0.5),
+    ],
+    ids=["automatic", "adaptive"],
+)
+def test_clipping_policy_steps_as_dp_optimizer_does(tmp_path, clipping):
+    """Two steps without noise: the trainer's weights (and, adaptive, its bound after each
+    step, which the second step clips at) are DPOptimizer's on the same batches."""
+    model = gpt2()
+    want, want_bound = dp_optimizer_weights(model, 2, clipping)
+    run = trainer(tmp_path, model, steps=2, clipping=clipping)
+    run.train()
+    assert run.dp_optimizer.clipping is clipping
+    assert_weights_equal(dict(model.named_parameters()), want)
+    unclipped, _ = dp_optimizer_weights(model, 2, None)  # the policy makes a difference
+    assert not torch.allclose(want["transformer.wte.weight"], unclipped["transformer.wte.weight"])
+    if isinstance(clipping, pergrad.dp.AdaptiveClipping):
+        assert run.dp_optimizer.max_norm == pytest.approx(want_bound, rel=1e-6)
+        assert want_bound != pytest.approx(MAX_NORM)  # the bound moved
+        logged = [entry["max_norm"] for entry in run.state.log_history if "max_norm" in entry]
+        assert logged[-1] == pytest.approx(want_bound, rel=1e-6)
+
+
+def test_adaptive_clipping_is_accounted_at_the_noise_multiplier_given(tmp_path):
+    """The accountant takes the noise multiplier given (or calibrated); the gradient's is
+    raised to leave room for the noisy counts, by Andrew et al.'s split."""
+    policy = pergrad.dp.adaptive(count_noise_std=2.0)
+    run = trainer(
+        tmp_path,
+        gpt2(),
+        steps=1,
+        noise_multiplier=1.0,
+        clipping=policy,
+        noise_generator=torch.Generator().manual_seed(0),
+    )
+    assert run.noise_multiplier == 1.0
+    split = (1.0**-2 - (2 * 2.0) ** -2) ** -0.5
+    assert run.dp_optimizer.gradient_noise_multiplier == pytest.approx(split)
+    run.train()
+    logged = [entry["epsilon"] for entry in run.state.log_history if "epsilon" in entry]
+    want = pergrad.dp.epsilon(noise_multiplier=1.0, sample_rate=RATE, steps=1, delta=DELTA)
+    assert logged[-1] == pytest.approx(want)
+    calibrated = trainer(
+        tmp_path, gpt2(), steps=3, noise_multiplier=None, target_epsilon=4.0, clipping=policy
+    )
+    sigma = pergrad.dp.noise_multiplier_for(
+        target_epsilon=4.0, delta=DELTA, sample_rate=RATE, steps=3
+    )
+    assert calibrated.noise_multiplier == pytest.approx(sigma)
+    assert calibrated.dp_optimizer.gradient_noise_multiplier > sigma
+
+
+def test_bad_clipping_is_named(tmp_path):
+    with pytest.raises(TypeError, match="DPTrainer: clipping must be None"):
+        trainer(tmp_path, gpt2(), clipping="auto")
+    with pytest.raises(ValueError, match="count_noise_std must exceed"):
+        trainer(
+            tmp_path,
+            gpt2(),
+            noise_multiplier=1.0,
+            clipping=pergrad.dp.adaptive(count_noise_std=0.1),
+        )
+    banded = pergrad.dp.toeplitz([1.0, 0.5], steps=2, min_separation=2, sample_rate=0.5)
+    with pytest.raises(ValueError, match="DPTrainer: adaptive clipping needs independent"):
+        trainer(
+            tmp_path,
+            gpt2(),
+            noise_multiplier=1.0,
+            sample_rate=None,
+            noise=banded,
+            clipping=pergrad.dp.adaptive(count_noise_std=5.0),
+        )

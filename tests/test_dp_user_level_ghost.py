@@ -316,3 +316,56 @@ def test_empty_batch_and_nothing_mutated():
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]) and p.grad is None
     assert not model._forward_hooks and not model.embed._forward_hooks
+
+
+def test_an_infinite_max_norm_is_refused_not_a_nan_sum():
+    """max_norm=inf made every clip factor inf / inf (nan sums); it would make the noise
+    infinite too. Refused by name, on every clipping entry point."""
+    import math
+
+    model, inputs, width = models()["tokens"]
+    x, y = inputs(len(USERS)), torch.randn(len(USERS), width)
+    loss = pergrad.module_loss(model, squared_error)
+    with pytest.raises(PergradValueError, match="max_norm must be a positive number, finite"):
+        dp.clipped_sum_of(loss, loss.params(), x, y, max_norm=math.inf)
+    grads = pergrad.per_example_grads(loss)(loss.params(), x, y)
+    with pytest.raises(PergradValueError, match="max_norm must be a positive number, finite"):
+        dp.clipped_sum(grads, math.inf)
+    with pytest.raises(PergradValueError, match="max_norm must be a positive number, finite"):
+        run(model, x, y, USERS, math.inf)
+
+
+def test_adaptive_clipping_counts_users_within_the_bound(monkeypatch):
+    """Adaptive clipping at user level: the bound moves by the count of USERS within it (the
+    count's noise set to 0 here), by the closed-form geometric update."""
+    import math
+
+    from pergrad._src.dp.clipping_policies import AdaptiveClipping
+
+    monkeypatch.setattr(AdaptiveClipping, "noisy_counts", lambda self, counts, rng: counts)
+    torch.manual_seed(6)
+    model = Tokens()
+    x, y = torch.randint(0, 13, (len(USERS), 5)), torch.randn(len(USERS), 13)
+    params = list(model.parameters())
+    norms = []
+    for user in np.unique(USERS):
+        rows = torch.from_numpy(np.equal(USERS, user))
+        grads = torch.autograd.grad(((model(x[rows]) - y[rows]) ** 2).sum(), params)
+        norms.append(float(sum((g.double() ** 2).sum() for g in grads).sqrt()))
+    ordered = sorted(norms)
+    bound = (ordered[2] + ordered[3]) / 2  # 3 users within it, 2 not, none near it
+    policy = dp.adaptive(count_noise_std=2.0, target_quantile=0.7, learning_rate=0.3)
+    opt = dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model,
+        squared_error,
+        max_norm=bound,
+        noise_multiplier=0.0,
+        expected_batch_size=4.0,
+        clipping=policy,
+    )
+    stats = opt.step(x, y, user_ids=torch.from_numpy(USERS))
+    within, count = sum(n <= bound for n in norms), len(norms)
+    expected = bound * math.exp(-0.3 * ((within - count / 2) / 4.0 + 0.5 - 0.7))
+    assert stats.batch_size == count and 0 < within < count
+    assert opt.max_norm == pytest.approx(expected, rel=1e-6)

@@ -298,6 +298,12 @@ def refusals(world_size: int) -> dict[str, str]:
             noise=dp.toeplitz([1.0, 0.5], steps=STEPS),
         )
     )
+    refused["another strategy"] = error_of(
+        lambda: dp_optimizer(model, noise_multiplier=1.0, distributed=True, strategy="ghost-lowmem")
+    )
+    refused["chunk size"] = error_of(
+        lambda: dp_optimizer(model, noise_multiplier=1.0, distributed=True, chunk_size=1)
+    )
     optimizer = dp_optimizer(model, noise_multiplier=0.0, distributed=True)
     x, y = make_data()
 
@@ -489,6 +495,9 @@ def test_what_is_not_supported_is_refused_by_name(workers):
         "tied": "parameter 'embed.weight' is used by layers ['embed', 'head'] (tied weights)",
         "no rule": "the trainable parameter(s) ['scale'] belong to no layer with a ghost rule",
         "mixed precision": "is sharded with FSDP mixed precision (param_dtype=torch.bfloat16",
+        "another strategy": "steps take the ghost strategy only (each layer's norms from its "
+        "records, 'ghost-fsdp'); got strategy='ghost-lowmem', chunk_size=None",
+        "chunk size": "got strategy='auto', chunk_size=1",
     }
     for rank in range(world_size):
         for case, message in expected.items():

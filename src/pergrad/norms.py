@@ -5,7 +5,9 @@
     pergrad.norms.noise_scale(grads).b_simple                # McCandlish et al. (2018)
 
 Over training, ``TrainingMonitor`` keeps a running noise scale (never ``inf``) and per-step
-norm quantiles and clipped fractions; ``pergrad.plotting.training_curves`` plots them.
+norm quantiles and clipped fractions; ``pergrad.plotting.training_curves`` plots them. In a JAX or PyTorch loop of your own, one
+``monitor.update(grads=...)`` per step; in ``transformers.Trainer``,
+``TrainingMonitorCallback`` (imports transformers when first used).
 
 ``per_example_norms_of(loss, params, X, Y)`` gets the norms straight from a single-example loss
 without materialising per-example gradients (``strategy="auto" | "ghost" | "ghost-lowmem" |
@@ -14,6 +16,8 @@ without materialising per-example gradients (``strategy="auto" | "ghost" | "ghos
 Each function takes per-example gradients from either framework and returns the framework's
 arrays (or plain Python numbers for summaries).
 """
+
+from typing import Any
 
 from pergrad._src.api.reductions import StrategyChoice, choose_strategy, per_example_norms_of
 from pergrad._src.monitor import TrainingMonitor
@@ -26,6 +30,9 @@ from pergrad._src.norms import (
     summarize,
 )
 
+# needs torch and transformers: imported when first asked for
+_LAZY = {"TrainingMonitorCallback": "pergrad._src.torch.hf_monitor"}
+
 __all__ = [
     "NoiseScale",
     "NormSummary",
@@ -37,4 +44,18 @@ __all__ = [
     "noise_scale",
     "per_example_norms",
     "summarize",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pergrad.norms' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy names too, without importing their framework
+    return sorted({*globals(), *_LAZY})

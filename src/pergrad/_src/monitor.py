@@ -16,14 +16,21 @@ from typing import Any
 
 import numpy as np
 
+from pergrad._src.backends import backend_of
 from pergrad._src.errors import PergradValueError
-from pergrad._src.norms import noise_scale, per_example_norms, scores_to_numpy
+from pergrad._src.norms import (
+    NoiseScale,
+    noise_scale,
+    noise_scale_from_sums,
+    per_example_norms,
+    scores_to_numpy,
+)
 
 
 class TrainingMonitor:
     """Per-step gradient diagnostics, framework-free, for any training loop.
 
-    Example (any framework; ``grads`` per-example gradients, or ``norms`` alone)::
+    Example (any framework, a JAX loop as a PyTorch one: one call per step)::
 
         monitor = pergrad.norms.TrainingMonitor()
         for step, batch in enumerate(loader):
@@ -32,6 +39,11 @@ class TrainingMonitor:
             ...
         monitor.noise_scale        # the running B_simple
         pergrad.plotting.training_curves(monitor, path="training.png")
+
+    Without per-example gradients (the ghost path), the norms and the summed gradient give the
+    same numbers: ``s = pergrad.dp.clipped_sum_of(loss, params, X, Y, max_norm=1e30)``
+    then ``monitor.update(norms=s.norms, grad_sum=s.sum)``. In ``transformers.Trainer``,
+    :class:`pergrad.norms.TrainingMonitorCallback` makes the calls.
 
     Args:
       smoothing: the moving averages' decay per step, in ``[0, 1)``: 0.9 averages over about
@@ -88,6 +100,7 @@ class TrainingMonitor:
         clip_fraction: float | None = None,
         max_norm: float | None = None,
         step: int | None = None,
+        grad_sum: Any = None,
     ) -> None:
         """Record one step.
 
@@ -95,23 +108,33 @@ class TrainingMonitor:
           grads: the step's per-example gradients (either framework; leaves ``(B, ...)``):
             their norms, and the noise scale's two estimates (needs ``B >= 2``).
           norms: the per-example norms, where the gradients were not formed (a ghost step:
-            ``DPStep.norms``, ``pergrad.norms.per_example_norms_of``); no noise scale then.
+            ``pergrad.norms.per_example_norms_of``, ``ClippedSum.norms``); no noise scale
+            then, unless ``grad_sum`` comes with them.
           clip_fraction: the share of examples clipped, if known (a ``DPStep``'s).
           max_norm: with ``grads`` or ``norms``: the clipping bound, to compute the clipped
             fraction from the norms.
           step: the step's number (default: one more than the last).
+          grad_sum: with ``norms``: the sum over the batch of the UNCLIPPED per-example
+            gradients (a pytree like one example's gradient; ``clipped_sum_of(...,
+            max_norm=1e30).sum``): with the norms it gives the noise scale's two
+            estimates, equal to those of ``grads``.
         """
         if (grads is None) == (norms is None):
             raise PergradValueError(
                 "TrainingMonitor.update: pass exactly one of grads (per-example gradients) or "
                 "norms (per-example norms)."
             )
+        if grad_sum is not None and norms is None:
+            raise PergradValueError(
+                "TrainingMonitor.update: grad_sum goes with norms (the norms and the summed "
+                "gradient of the same batch); with grads, leave it out."
+            )
         if grads is not None:
             values = scores_to_numpy("TrainingMonitor.update", per_example_norms(grads), "grads")
             batch = noise_scale(grads) if values.size >= 2 else None
         else:
             values = scores_to_numpy("TrainingMonitor.update", norms, "norms")
-            batch = None
+            batch = None if grad_sum is None else _estimates_of_sum(values, grad_sum)
         if max_norm is not None:
             clip_fraction = float(np.mean(values > max_norm)) if values.size else 0.0
         if batch is not None:
@@ -135,3 +158,18 @@ class TrainingMonitor:
 def quantile_key(q: float) -> str:
     """``0.5 -> "q50"``, ``0.999 -> "q99_9"``: the key of a quantile (``NormSummary``'s)."""
     return "q" + f"{q * 100:g}".replace(".", "_")
+
+
+def _estimates_of_sum(norms: np.ndarray, grad_sum: Any) -> NoiseScale | None:
+    """The noise scale's estimates from the norms and the summed gradient of one batch
+    (None for fewer than 2 examples, or where some norm is not finite)."""
+    if norms.size < 2 or not np.all(np.isfinite(norms)):
+        return None
+    bk = backend_of(grad_sum, "TrainingMonitor.update", "grad_sum")
+    leaves = bk.flatten(grad_sum)[1]
+    if not leaves:
+        raise PergradValueError("TrainingMonitor.update: grad_sum has no array leaves.")
+    sum_sq = sum(float(bk.to_numpy((leaf**2).sum())) for leaf in leaves)
+    size = norms.size
+    total_sq = float(np.sum(norms.astype(np.float64) ** 2))
+    return noise_scale_from_sums(total_sq, sum_sq / size**2, size)

@@ -134,6 +134,14 @@ def noise_scale(grads: Any) -> NoiseScale:
         )
     mean_sq = float(bk.to_numpy(sum((leaf.mean(0) ** 2).sum() for leaf in flat)))
     total_sq = float(bk.to_numpy(sum((leaf**2).sum() for leaf in flat)))
+    return noise_scale_from_sums(total_sq, mean_sq, batch_size)
+
+
+def noise_scale_from_sums(total_sq: float, mean_sq: float, batch_size: int) -> NoiseScale:
+    """:func:`noise_scale` from two numbers: ``total_sq = Σ_i |g_i|²`` (the squared
+    per-example norms, summed) and ``mean_sq = |ḡ|²`` (the mean gradient's squared norm), so
+    that a caller with the norms and the summed gradient (a ghost pass) needs no per-example
+    gradients. ``batch_size >= 2``."""
     # Σ_i |g_i - ḡ|² = Σ_i |g_i|² - B |ḡ|²
     trace_sigma = max(total_sq - batch_size * mean_sq, 0.0) / (batch_size - 1)
     grad_norm_sq = mean_sq - trace_sigma / batch_size

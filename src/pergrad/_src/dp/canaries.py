@@ -39,6 +39,7 @@ from pergrad._src.dp.audit import (
     score_array,
 )
 from pergrad._src.dp.audit_many_runs import auroc
+from pergrad._src.dp.noise import NoiseMechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 
 # Streams of the user's seed: the coins, the directions (or labels), the per-step sampling.
@@ -367,9 +368,10 @@ class AuditReport:
 
     Attributes:
       epsilon: the accountant's epsilon for the run (the claim under test).
-      epsilon_lower_bound: the one-run lower bound from the canary scores.
-      ceiling: the largest bound these canaries could give (every guess right); a claim
-        above it cannot be refuted by this audit, however the training leaks.
+      epsilon_lower_bound: the lower bound from the canary scores (by ``method``).
+      ceiling: the largest bound these canaries could give (every guess right, by the
+        audit's ``method``); a claim above it cannot be refuted by this audit, however the
+        training leaks.
       violated: ``epsilon_lower_bound > epsilon``: the implementation leaks more than it
         claims (wrong with probability at most ``significance`` if the claim is true).
       delta, significance: as passed.
@@ -407,12 +409,14 @@ def audit(
     canaries: GradientCanaries | InputCanaries,
     *,
     noise_multiplier: float,
-    sample_rate: float,
-    steps: int,
+    sample_rate: float | None = None,
+    steps: int | None = None,
     delta: float,
     significance: float = 0.05,
     accountant: str = "rdp",
     guesses: Any = None,
+    noise: NoiseMechanism | None = None,
+    method: str = "one-run",
 ) -> AuditReport:
     """Runs one DP training with canaries and compares the empirical bound with the claim.
 
@@ -431,12 +435,26 @@ def audit(
     ``train(canaries)`` must run the whole training with the canaries (injected gradients, or
     the training set from :meth:`InputCanaries.insert`) and return the ``(count,)`` scores in
     the canaries' order. The claim is the accountant's epsilon, :func:`pergrad.dp.epsilon`
-    ``(noise_multiplier, sample_rate, steps, delta, accountant)``; the bound is
-    :func:`pergrad.dp.epsilon_lower_bound` of the scores split by the coins. ``violated``
+    ``(noise_multiplier, sample_rate, steps, delta, accountant, noise=noise)``; the bound is
+    :func:`pergrad.dp.epsilon_lower_bound` of the scores split by the coins (with
+    ``guesses`` and ``method``). ``violated``
     means the bound exceeds the claim: the implementation is broken (or the claim's
     parameters are not those of the run), with confidence ``1 - significance``. Not violated
     means only that this attack found nothing: check ``ceiling`` (canaries enough to refute
     the claim at all?) and ``auroc``.
+
+    **Correlated noise** (``noise=`` a mechanism made for one run, :func:`pergrad.dp.toeplitz`,
+    :func:`pergrad.dp.blt`, :func:`pergrad.dp.optimal_blt`): ``steps`` (and ``sample_rate``, if
+    any) come from it, and the claim is its accounting, one Gaussian release of
+    ``noise_multiplier`` for the participation pattern it was made for. Gradient canaries must
+    keep that pattern, or the claim would not cover them and a violation would prove nothing:
+    the audit checks their realised steps against ``noise.participations`` and
+    ``noise.min_separation`` and refuses canaries that take part more often or closer
+    together. ``GradientCanaries(..., sample_rate=1.0)`` with a mechanism made for
+    ``participations=steps`` puts each included canary in every step: the canary's signal then
+    adds up in the final model as the noise of the prefix sums does, the strongest case for an
+    audit of the final parameters. Since such a run is exactly one Gaussian release,
+    ``method="f-dp"`` (the Gaussian trade-off curve, more power) fits it.
 
     Cost: one training run with the canaries (the injected gradients add about
     ``count / 2 * sample_rate`` rows to each batch), and well under a second of statistics.
@@ -448,11 +466,19 @@ def audit(
         )
     if not callable(train):
         raise PergradTypeError(f"audit: train must be callable, got {type(train).__name__}.")
-    claimed = accountant_epsilon(noise_multiplier, sample_rate, steps, delta, accountant)
+    if method not in ("one-run", "f-dp"):  # before the training run, not after it
+        raise PergradValueError(f"audit: method must be 'one-run' or 'f-dp'; got {method!r}.")
+    claimed = accountant_epsilon(
+        noise_multiplier, sample_rate, steps, delta, accountant, noise=noise
+    )
+    if noise is not None and isinstance(canaries, GradientCanaries):
+        _check_participation(canaries, noise)
     start = time.perf_counter()
     in_scores, out_scores = canaries.split(train(canaries))
-    bound = epsilon_lower_bound(in_scores, out_scores, delta, significance, guesses=guesses)
-    ceiling = epsilon_lower_bound_ceiling(canaries.count, delta, significance, guesses=guesses)
+    bound = epsilon_lower_bound(
+        in_scores, out_scores, delta, significance, guesses=guesses, method=method
+    )
+    ceiling = _ceiling(canaries, delta, significance, guesses, method)
     return AuditReport(
         epsilon=claimed,
         epsilon_lower_bound=bound,
@@ -467,3 +493,81 @@ def audit(
         in_scores=in_scores,
         out_scores=out_scores,
     )
+
+
+def _ceiling(
+    canaries: GradientCanaries | InputCanaries,
+    delta: float,
+    significance: float,
+    guesses: Any,
+    method: str,
+) -> float:
+    """The largest bound the audit could give: :func:`epsilon_lower_bound_ceiling` for the
+    one-run method; for ``"f-dp"``, the bound of these coins' split perfectly separated."""
+    if method == "one-run":
+        return epsilon_lower_bound_ceiling(canaries.count, delta, significance, guesses=guesses)
+    included = canaries.num_included
+    if included in (0, canaries.count):
+        return 0.0  # the coins put every canary on one side: no guess can be checked
+    return epsilon_lower_bound(
+        np.ones(included),
+        np.zeros(canaries.count - included),
+        delta,
+        significance,
+        guesses=guesses,
+        method=method,
+    )
+
+
+CANARY_PATTERN = (
+    "audit: the gradient canaries take part in up to {most} steps of the run, {closest} apart "
+    "at the closest (each joins each step with probability sample_rate={rate}), but "
+    "noise={noise!r} is accounted for at most {participations} steps at least {separation} "
+    "apart: its claim does not cover the canaries, and a bound above it would prove nothing. "
+    "Give the canaries the mechanism's pattern, e.g. every step:\n\n"
+    "    canaries = pergrad.dp.GradientCanaries(params, count, sample_rate=1.0, seed=seed)\n"
+    "    noise = pergrad.dp.toeplitz(coefs, steps={steps}, participations={steps})"
+)
+
+
+def _check_participation(canaries: GradientCanaries, noise: NoiseMechanism) -> None:
+    """Refuses gradient canaries whose realised steps break the participation pattern that
+    ``noise`` is accounted for: at most ``participations`` steps, ``min_separation`` apart
+    (None: 1), or, with a ``sample_rate`` and several groups, cyclic Poisson sampling, which
+    canaries that join every step independently do not follow."""
+    steps = noise.steps
+    participations = getattr(noise, "participations", None)
+    if steps is None or participations is None:  # accounted with sampling at every step
+        return
+    separation = getattr(noise, "min_separation", None) or 1
+    if noise.sample_rate is not None:
+        if separation > 1:
+            raise PergradValueError(
+                f"audit: noise={noise!r} is accounted for cyclic Poisson sampling over "
+                f"{separation} groups, which GradientCanaries do not follow (each joins every "
+                f"step with probability sample_rate={canaries.sample_rate}); audit a mechanism "
+                "accounted without sampling, or with min_separation=1 (Poisson sampling at "
+                "every step)."
+            )
+        return
+    last = np.full(canaries.count, -np.inf)
+    taken = np.zeros(canaries.count, np.int64)
+    closest = math.inf
+    for step in range(steps):
+        ids = canaries.sampled(step)
+        if ids.size:
+            closest = min(closest, float((step - last[ids]).min()))
+            last[ids] = step
+            taken[ids] += 1
+    if taken.max() > participations or closest < separation:
+        raise PergradValueError(
+            CANARY_PATTERN.format(
+                most=int(taken.max()),
+                closest="never twice" if math.isinf(closest) else f"{int(closest)} step(s)",
+                rate=canaries.sample_rate,
+                noise=noise,
+                participations=participations,
+                separation=separation,
+                steps=steps,
+            )
+        )

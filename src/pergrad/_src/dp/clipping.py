@@ -44,8 +44,16 @@ from pergrad._src.norms import flat_leaves
 
 
 def check_positive(func_name: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise PergradValueError(f"{func_name}: {name} must be a positive number; got {value!r}.")
+    """A positive finite number (an infinite clipping bound would make the sensitivity, hence
+    the noise, infinite, and gave nan sums: ``inf / inf``)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise PergradValueError(
+            f"{func_name}: {name} must be a positive number, finite; got {value!r}."
+        )
     return float(value)
 
 

@@ -259,3 +259,122 @@ def _binomial_log_pmf(num_examples: int, sample_rate: float, sizes: np.ndarray) 
     k = sizes[:-1].astype(np.float64)
     log_ratios = np.log((num_examples - k) / (k + 1)) + math.log(sample_rate / (1 - sample_rate))
     return log_first + np.concatenate([[0.0], np.cumsum(log_ratios)])
+
+
+FIXED_SIZE_BATCHES = """\
+{func_name}: the last {run} steps all had exactly {size} examples, but the accountant assumes \
+Poisson sampling (sample_rate={sample_rate:g}), under which batch sizes vary around \
+{expected:g} (std {std:.2g}): {run} equal sizes in a row has probability {probability:.1e}. \
+These are fixed-size batches (a DataLoader with batch_size=, shuffled or not), which the \
+accountant's epsilon does not cover. Draw Poisson batches: \
+DataLoader(dataset, batch_sampler=pergrad.dp.PoissonBatchSampler(len(dataset), \
+sample_rate={sample_rate:g}, steps=steps)), or the loader pergrad.dp.make_private returns; or, \
+for fixed-size batches, account them as such: pergrad.dp.Accountant(..., sampling="fixed", \
+num_examples=len(dataset))."""
+
+
+class FixedSizeCheck:
+    """Says once, with a :class:`pergrad.PrivacyWarning`, when the batches of a run accounted
+    with Poisson sampling keep one size for longer than Poisson sampling plausibly would: the
+    mark of fixed-size batches (a plain ``DataLoader(batch_size=)``).
+
+    A Poisson batch's size is Binomial(``expected_batch_size / sample_rate``,
+    ``sample_rate``); ``run`` equal sizes in a row have probability ``sum_k P(k)**run``. The
+    warning comes at the first run whose probability is below ``false_alarm`` (1e-9: a correct
+    run of a million steps warns with probability under 1e-3). Batches that are the whole data
+    set (``sample_rate`` near 1) never warn: their size does not vary.
+    """
+
+    def __init__(
+        self, func_name: str, sample_rate: float, expected_batch_size: float, false_alarm=1e-9
+    ) -> None:
+        self.func_name = func_name
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = float(expected_batch_size)
+        num_examples = max(int(round(self.expected_batch_size / self.sample_rate)), 1)
+        pmf = _binomial_pmf(num_examples, self.sample_rate)
+        #: the run of equal sizes that warns (None: never, the size barely varies)
+        self.run_needed: int | None = None
+        self.probability = 1.0
+        if pmf.max() < 0.99:
+            run = 2
+            while float(np.sum(pmf**run)) >= false_alarm:
+                run += 1
+            self.run_needed, self.probability = run, float(np.sum(pmf**run))
+        self.std = math.sqrt(num_examples * self.sample_rate * (1 - self.sample_rate))
+        self._size: int | None = None
+        self._run = 0
+        self.warned = False
+
+    @classmethod
+    def of(cls, func_name: str, accountant: Any, expected_batch_size: Any) -> FixedSizeCheck | None:
+        """The check for an accountant of (plain or cyclic) Poisson sampling with an expected
+        batch size; None where there is nothing to check."""
+        from pergrad._src.dp.accounting import Accountant
+
+        if not isinstance(accountant, Accountant) or expected_batch_size is None:
+            return None
+        if accountant.sampling != "poisson" or accountant.sample_rate is None:
+            return None
+        return cls(func_name, accountant.sample_rate, expected_batch_size)
+
+    def observe(self, batch_size: int) -> None:
+        """Count one step's realised batch size (the whole logical batch)."""
+        if self.run_needed is None or self.warned:
+            return
+        if batch_size == self._size:
+            self._run += 1
+        else:
+            self._size, self._run = batch_size, 1
+        if self._run >= self.run_needed and batch_size > 0:
+            self.warned = True
+            warn_from_caller(
+                FIXED_SIZE_BATCHES.format(
+                    func_name=self.func_name,
+                    run=self._run,
+                    size=batch_size,
+                    sample_rate=self.sample_rate,
+                    expected=self.expected_batch_size,
+                    std=self.std,
+                    probability=self.probability,
+                ),
+                PrivacyWarning,
+            )
+
+
+def _binomial_pmf(num_examples: int, sample_rate: float) -> np.ndarray:
+    """Binomial(num_examples, sample_rate) probabilities over a window of +-12 std around the
+    mean (the mass outside it is negligible for the sums above)."""
+    mean = num_examples * sample_rate
+    std = math.sqrt(max(mean * (1 - sample_rate), 1e-12))
+    low = max(0, int(mean - 12 * std - 2))
+    high = min(num_examples, int(mean + 12 * std + 2))
+    k = np.arange(low, high + 1, dtype=np.float64)
+    if sample_rate >= 1.0:
+        return np.array([1.0])
+    log_pmf = (
+        math.lgamma(num_examples + 1)
+        - np.array([math.lgamma(v + 1) + math.lgamma(num_examples - v + 1) for v in k])
+        + k * math.log(sample_rate)
+        + (num_examples - k) * math.log1p(-sample_rate)
+    )
+    return np.exp(log_pmf)
+
+
+def warn_unsampled_batch(func_name: str) -> None:
+    """Says so, with a :class:`pergrad.PrivacyWarning`, when the transformation of
+    :func:`pergrad.dp.make_private_optax` gets a batch without a mask: its accounting assumes
+    the Poisson batches of its loader, which always come with their mask, so a batch without
+    one was drawn otherwise (fixed-size batches, or a padded batch whose mask was dropped).
+    Takes the place of :func:`warn_if_mask_forgotten`'s warning for that batch."""
+    _last_padding.size = None
+    warn_from_caller(
+        f"{func_name}: the transformation got a batch without mask=, but its accounting "
+        f"assumes the Poisson batches of the loader make_private_optax returned, which always "
+        f"come with their mask. Fixed-size batches (a shuffled batch_size= loop of your own) "
+        f"are not Poisson sampling, and the accountant's epsilon does not cover them; a padded "
+        f"batch without its mask counts its padding rows as examples. Iterate "
+        f"`for x, y, mask in loader` and pass tx.update(grads, state, params, mask=mask). "
+        f"(For Poisson batches you draw yourself without padding, pass an all-True mask.)",
+        PrivacyWarning,
+    )

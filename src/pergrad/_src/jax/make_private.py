@@ -13,6 +13,7 @@ import optax
 
 from pergrad._src.dp.clipping_policies import ClippingPolicy
 from pergrad._src.dp.noise import NoiseMechanism
+from pergrad._src.dp.sampling import warn_unsampled_batch
 from pergrad._src.dp.setup import DEFAULT_ACCOUNTANT, DPSetup, PaddedPoissonLoader, plan
 from pergrad._src.errors import PergradTypeError
 from pergrad._src.jax.optax import optax_aggregate
@@ -110,8 +111,22 @@ def make_private_optax(
         noise=run.noise,
         clipping=clipping,
     )
+    aggregate = _needs_mask(aggregate)
     tx = aggregate if optimizer is None else optax.chain(aggregate, optimizer)
     loader = PaddedPoissonLoader(
         *arrays, plan=run, seed=seed, accountant=spent, max_batch_size=max_batch_size
     )
     return DPSetup(tx, loader, spent, run, max_norm)
+
+
+def _needs_mask(aggregate: optax.GradientTransformationExtraArgs) -> Any:
+    """``aggregate`` whose ``update`` says so (a :class:`pergrad.PrivacyWarning`) when it gets
+    no ``mask``: the loader's batches always carry one, so such a batch was drawn otherwise
+    (fixed-size batches), and the accounting does not cover it."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        if extra.get("mask") is None:
+            warn_unsampled_batch("make_private_optax")
+        return aggregate.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(aggregate.init, update)

@@ -34,15 +34,45 @@ def _without_losses(value_and_grad: Callable[..., Any], has_aux: bool) -> Callab
     return grads_only
 
 
+# torch.func's words when fn needs a Python number from a batched tensor: most often the
+# backward pass of indexing by the example's label, logits[y].
+_DATA_DEPENDENT = "data-dependent control flow"
+
+DATA_DEPENDENT_HINT = (
+    "fn needs a Python number from a batched tensor, which vmap cannot give: most often it "
+    "indexes a tensor computed from the parameters by the example's label or index "
+    "(logits[y], h[i]), or calls .item() or branches (if) on a tensor. Write the selection "
+    "as logits.gather(-1, y.unsqueeze(-1)).squeeze(-1), which stays vectorised; for a "
+    "margin, pergrad.influence.classification_margin(logits, y); for a loss, "
+    "F.cross_entropy(logits, y)"
+)
+
+
 def vmap_failure(bk: Backend, err: Exception) -> str:
-    """Why ``bk.vmap`` failed, in one line; re-raises what a fallback would not fix (pergrad's
-    own errors, and failures the backend explains, such as dropout without ``randomness``)."""
+    """Why ``bk.vmap`` failed, in whole sentences; re-raises what a fallback would not fix
+    (pergrad's own errors, and failures the backend explains, such as dropout without
+    ``randomness``)."""
     if is_pergrad_error(err):
         raise err
     explained = bk.explain_failure(err)
     if explained is not None:
         raise explained from err
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    message = str(err)
+    if _DATA_DEPENDENT in message:
+        return DATA_DEPENDENT_HINT
+    return f"{type(err).__name__}: {first_sentences(message)}"
+
+
+def first_sentences(message: str, limit: int = 300) -> str:
+    """The first line of ``message``, cut after its last whole sentence within ``limit``
+    characters (never mid-word: a cut without a sentence end says so with "...")."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    if end > 0:
+        return line[: end + 1]
+    return line[: line.rfind(" ", 0, limit)].rstrip(",;:") + " ..."
 
 
 class CallContext:

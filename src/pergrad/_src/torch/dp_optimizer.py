@@ -22,6 +22,7 @@ from pergrad._src.dp.clipping_policies import (
 )
 from pergrad._src.dp.from_loss import clipped_sum_run
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
+from pergrad._src.dp.sampling import FixedSizeCheck
 from pergrad._src.errors import (
     NonFiniteWarning,
     PergradTypeError,
@@ -143,7 +144,9 @@ class DPOptimizer:
       expected_batch_size: divide the noisy sum by this (global) number; None divides by the
         actual number of examples (over all processes when distributed), which releases the
         realised batch size: with an ``Accountant`` of Poisson sampling that is said with a
-        :class:`pergrad.PrivacyWarning`.
+        :class:`pergrad.PrivacyWarning`. With such an accountant, batches that keep one size
+        step after step (fixed-size batches, a ``DataLoader(batch_size=)``, which Poisson
+        sampling would give with probability under 1e-9) are said too, once.
       generator: the ``torch.Generator`` of the noise (None: torch's global generator); seed
         it securely for real privacy, or pass :class:`pergrad.dp.SecureRandom` to draw the
         noise from the operating system's cryptographic source. Distributed: rank 0's is used.
@@ -221,6 +224,8 @@ class DPOptimizer:
                 "DPOptimizer", self.clipping, self.noise, float(noise_multiplier), 1
             )
         warn_realised_batch_size(accountant, expected_batch_size)
+        # fixed-size batches fed to a Poisson accountant: seen from the realised batch sizes
+        self._size_check = FixedSizeCheck.of("DPOptimizer", accountant, expected_batch_size)
         self._noise_state: Any = None  # the mechanism's state, made at the first step
         self.scaler = scaler
         self._scaled_loss = None if scaler is None else ScaledLoss(loss_fn)
@@ -252,6 +257,13 @@ class DPOptimizer:
             if fsdp.is_sharded(model)
             else None
         )
+        if self._sharded is not None and (self.strategy not in ("auto", "ghost") or chunk_size):
+            raise PergradValueError(
+                f"DPOptimizer: the model is sharded with FSDP2, whose steps take the ghost "
+                f"strategy only (each layer's norms from its records, 'ghost-fsdp'); got "
+                f"strategy={self.strategy!r}, chunk_size={chunk_size!r}. Pass strategy='auto' "
+                f"or 'ghost' and no chunk_size."
+            )
         if self.process_group is not None:
             check_same_across_ranks(
                 "DPOptimizer",
@@ -345,8 +357,9 @@ class DPOptimizer:
         strategy computes each user's norm from its examples' layer records (no per-example
         gradient of a layer with a rule formed); where it cannot take the model, the
         per-example gradients are formed and summed per user, said once with a
-        :class:`pergrad.FallbackWarning` under ``strategy="auto"``. Not with ``distributed``
-        or :func:`pergrad.dp.adaptive` clipping yet."""
+        :class:`pergrad.FallbackWarning` under ``strategy="auto"``. With
+        :func:`pergrad.dp.adaptive` clipping the bound follows the count of users within it.
+        Not with ``distributed`` yet."""
         if batch:
             self.accumulate(*batch, user_ids=user_ids)
         elif user_ids is not None:
@@ -375,6 +388,8 @@ class DPOptimizer:
             self._update({name: value.div_(denominator) for name, value in totals.sum.items()})
             if isinstance(self.clipping, AdaptiveClipping):
                 self._move_bound(unclipped, totals.count)
+        if self._size_check is not None:
+            self._size_check.observe(int(totals.count))
         if self.accountant is not None:
             self.accountant.step()  # skipped or not: the batch was drawn (see the docstring)
         return DPStep(
@@ -464,7 +479,11 @@ class DPOptimizer:
             )
         self._warn_off_ghost(choice)
         unclipped: Any = 0.0
-        if isinstance(self.clipping, AdaptiveClipping):
+        if isinstance(self.clipping, AdaptiveClipping) and user_ids is not None:
+            # a user-level step's norms are in its users' rows, the other rows 0: the users
+            # within the bound are the real, finite ones that were not clipped
+            unclipped = clipped.count * (1 - clipped.clip_fraction) - clipped.nonfinite
+        elif isinstance(self.clipping, AdaptiveClipping):
             bk = backend_of(clipped.norms, "DPOptimizer", "norms")
             (unclipped,) = self.clipping.unclipped_counts(
                 bk, [clipped.norms], [self.max_norm * scale], None
@@ -529,10 +548,10 @@ class DPOptimizer:
         self._user_level = level
         if not level:
             return None
-        if self.process_group is not None or isinstance(self.clipping, AdaptiveClipping):
+        if self.process_group is not None:
             raise PergradValueError(
                 "DPOptimizer: user_ids (user-level clipping) is not supported with distributed "
-                "or with adaptive clipping yet; train in one process with a fixed max_norm."
+                "yet (a user's examples would have to be on one process); train in one process."
             )
         if isinstance(user_ids, torch.Tensor):
             device = next(iter(self._loss.params().values())).device

@@ -18,6 +18,12 @@ from pergrad._src.backends.secure import SecureRandom
 from pergrad._src.core.module_loss import running_statistics_left_alone
 from pergrad._src.dp.accounting import Accountant, noise_multiplier_for
 from pergrad._src.dp.clipping import check_positive
+from pergrad._src.dp.clipping_policies import (
+    AdaptiveClipping,
+    ClippingPolicy,
+    check_adaptive_noise,
+    check_clipping,
+)
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.errors import PergradTypeError, PergradValueError
 from pergrad._src.torch.dp_optimizer import DPOptimizer
@@ -95,6 +101,17 @@ class DPTrainer(transformers.Trainer):
       added, Gaussian noise of std ``noise_multiplier * max_norm`` is drawn once, and the sum is
       divided by the expected batch size; then the Trainer's optimizer and scheduler step as
       usual. ``args.max_grad_norm`` is set to 0 (per-example clipping replaces it).
+    - **Clipping policy** (``clipping=``, as for :class:`pergrad.dp.DPOptimizer`):
+      :func:`pergrad.dp.automatic` scales each gradient by ``max_norm / (norm + gamma)``;
+      :func:`pergrad.dp.adaptive` starts the bound at ``max_norm`` and moves it after each
+      optimizer step towards a quantile of the norms, from a noisy count of the examples
+      within it (its noise drawn from ``noise_generator``). Its privacy cost is accounted: the gradient's noise multiplier is
+      raised (``dp_optimizer.gradient_noise_multiplier``) so that each step (noisy sum and
+      noisy count) costs one Gaussian release of ``noise_multiplier``, the number the
+      accountant takes, calibrated from ``target_epsilon`` as without it. The current bound
+      is ``dp_optimizer.max_norm``, logged as ``"max_norm"``; it lives in the DPOptimizer,
+      so a run resumed from a checkpoint restarts it from ``max_norm`` (as it restarts the
+      accountant's count).
     - **Accounting**: :attr:`accountant` counts the optimizer steps; ``epsilon`` (at ``delta``)
       is added to every log. Give ``noise_multiplier``, or ``target_epsilon`` to have it
       calibrated for ``args.max_steps`` steps (when ``max_steps`` is not set, it becomes
@@ -143,6 +160,10 @@ class DPTrainer(transformers.Trainer):
       report_loss: log the training loss (one extra forward pass; see Cost).
       noise: the noise mechanism, calibrated and accounted (None:
         :func:`pergrad.dp.gaussian`, independent Gaussian noise at every step).
+      clipping: the clipping policy (None: ``min(1, max_norm / norm)``;
+        :func:`pergrad.dp.automatic` or :func:`pergrad.dp.adaptive`, see above). Adaptive
+        clipping needs independent Gaussian noise (``noise`` None) and ``count_noise_std``
+        above ``noise_multiplier / 2``.
       **kwargs: the rest of ``transformers.Trainer``'s arguments (``train_dataset``,
         ``eval_dataset``, ``data_collator``, ``callbacks``...).
     """
@@ -164,6 +185,7 @@ class DPTrainer(transformers.Trainer):
         sampling_generator: torch.Generator | None = None,
         report_loss: bool = True,
         noise: NoiseMechanism | None = None,
+        clipping: ClippingPolicy | None = None,
         **kwargs: Any,
     ) -> None:
         name = "DPTrainer"
@@ -212,6 +234,9 @@ class DPTrainer(transformers.Trainer):
             noise_multiplier = noise_multiplier_for(
                 target_epsilon, delta, sample_rate, steps, accountant, noise=noise
             )
+        clipping = check_clipping(name, clipping)
+        if isinstance(clipping, AdaptiveClipping):  # before the Trainer is built: fail early
+            check_adaptive_noise(name, clipping, noise, float(noise_multiplier), 1)
         args.max_grad_norm = 0.0
         super().__init__(model=model, args=args, **kwargs)
         self.loss_fn = loss_fn
@@ -234,6 +259,7 @@ class DPTrainer(transformers.Trainer):
             generator=_fresh_generator(args.device) if noise_generator is None else noise_generator,
             accountant=self.accountant,
             noise=noise,
+            clipping=clipping,
         )
         self.add_callback(_ReleaseNoisyGradient(self))
 
@@ -299,6 +325,8 @@ class DPTrainer(transformers.Trainer):
         logs.pop("grad_norm", None)  # the Trainer's, taken before the noisy gradient exists
         if self.accountant.steps > 0:
             logs["epsilon"] = self.accountant.epsilon()
+        if isinstance(self.dp_optimizer.clipping, AdaptiveClipping):
+            logs["max_norm"] = self.dp_optimizer.max_norm  # the bound the next step clips at
         super().log(logs, *args, **kwargs)
 
 
