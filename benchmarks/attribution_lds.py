@@ -1,6 +1,7 @@
 """The linear datamodeling score (LDS) of attribution methods on scikit-learn's digits (issue 21).
 
 Run:  python benchmarks/attribution_lds.py [--quick] [--models mlp logreg] [--out DIR]
+      python benchmarks/attribution_lds.py --metagradient [--quick] --out DIR
       python benchmarks/attribution_lds.py --trak-seeds 5 --out DIR
 
 Ground truth (Park et al. 2023): 64 random half-size subsets of 1000 training digits; a model
@@ -27,6 +28,16 @@ one factorisation or one set of features). On the MLP, CG is also run at several
 the end (a shared machine makes times noisy). ``--only K-FAC EK-FAC`` runs a subset of the
 methods (a partial run: do not commit its table).
 
+``--metagradient`` adds pergrad's metagradient (``influence.metagradient`` through the mlp-sgd
+run of seed 0, and the mean over the runs of seeds 0-4, the runs replayed exactly in float64)
+to the mlp-sgd table, and scores every row in a second regime beside the seed-averaged one:
+the same-seed ground truth of seed 0's run (64 subsets per fraction, 1%, 10% and 50% dropped,
+retrained with the same initialisation and order and the dropped examples' weights 0, through
+``metagradient_lds.py``'s vectorised retraining), each method's damping chosen on that
+truth's even subsets; with seconds per target. It writes ``attribution_lds_metagradient.md``
+(``--models`` then defaults to mlp-sgd; its header gives the command, so a run of some rows
+with ``--only`` says which), and the default run stays as it was.
+
 ``--trak-seeds N`` runs only the TRAK comparison (pergrad on both frameworks against traker, 1,
 5 and 10 models, every regime), repeated over N projection seeds on the same models, and
 reports each row's mean and spread and its paired difference to traker's LDS (same models,
@@ -42,6 +53,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -53,7 +65,7 @@ import torch.nn.functional as F
 
 import pergrad  # noqa: E402
 from pergrad import influence, per_example_grads  # noqa: E402
-from pergrad.bench.machine import load_average  # noqa: E402
+from pergrad.bench.machine import command_line, load_average  # noqa: E402
 from pergrad.bench.report import machine_sentence, markdown_table, write_text  # noqa: E402
 from pergrad.bench.timing import timed  # noqa: E402
 
@@ -105,7 +117,7 @@ def load_data(n_train: int, n_target: int) -> tuple[np.ndarray, ...]:
     )
 
 
-SGD_EPOCHS, SGD_BATCH, SGD_LR, SGD_SEEDS = 10, 32, 0.1, 3
+SGD_EPOCHS, SGD_BATCH, SGD_LR, SGD_MOMENTUM, SGD_SEEDS = 10, 32, 0.1, 0.9, 3
 
 
 def init(kind: str, seed: int) -> dict[str, torch.Tensor]:
@@ -163,7 +175,7 @@ def train(kind: str, x: np.ndarray, y: np.ndarray, seed: int) -> dict[str, torch
 def train_sgd(x: np.ndarray, y: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
     params = {k: v.requires_grad_(True) for k, v in init("mlp", seed).items()}
     xt, yt = torch.tensor(x), torch.tensor(y)
-    optimizer = torch.optim.SGD(list(params.values()), lr=SGD_LR, momentum=0.9)
+    optimizer = torch.optim.SGD(list(params.values()), lr=SGD_LR, momentum=SGD_MOMENTUM)
     g = torch.Generator().manual_seed(1000 + seed)
     for _ in range(SGD_EPOCHS):
         order = torch.randperm(len(x), generator=g)
@@ -176,12 +188,16 @@ def train_sgd(x: np.ndarray, y: np.ndarray, seed: int) -> dict[str, torch.Tensor
     return {k: v.detach() for k, v in params.items()}
 
 
+def margin_values(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``logit_y - logsumexp(other logits)`` of logits ``z`` ``(n, 10)``: ``(n,)``."""
+    correct = z.gather(1, y[:, None])[:, 0]
+    others = z.scatter(1, y[:, None], -torch.inf).logsumexp(1)
+    return correct - others
+
+
 def margins(p: dict[str, torch.Tensor], x: np.ndarray, y: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        z = logits_of(p, torch.tensor(x))
-        correct = z.gather(1, torch.tensor(y)[:, None])[:, 0]
-        others = z.scatter(1, torch.tensor(y)[:, None], -torch.inf).logsumexp(1)
-        return (correct - others).numpy()
+        return margin_values(logits_of(p, torch.tensor(x)), torch.tensor(y)).numpy()
 
 
 def ground_truth(
@@ -551,6 +567,118 @@ def traker_scores(
     return traker, np.array(traker.finalize_scores(exp_name="targets"))
 
 
+# --- metagradients of the mlp-sgd run (--metagradient) ----------------------------------------
+
+
+def metagradient_module() -> Any:
+    """``benchmarks/metagradient_lds.py`` (its vectorised retraining and same-seed ground
+    truth), imported from this script's folder."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import metagradient_lds
+
+    return metagradient_lds
+
+
+def stacked_logits(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``logits_of`` the MLP for a stack of ``m`` parameter sets (each leaf ``(m, *shape)``):
+    ``(m, n, 10)``, for ``metagradient_lds.retrained``."""
+    hidden = torch.tanh(torch.einsum("ni,mih->mnh", x, params["w1"]) + params["b1"][:, None])
+    return torch.einsum("mnh,mho->mno", hidden, params["w2"]) + params["b2"][:, None]
+
+
+def sgd_run(data: tuple[np.ndarray, ...], seed: int) -> dict[str, Any]:
+    """``train_sgd``'s run of ``seed`` (its initialisation and minibatch order, float64) in
+    ``metagradient_lds``'s form: what ``influence.metagradient`` and ``influence.replay`` take
+    (``run_of``), the target margins, and the model for ``retrained``."""
+    x, y, x_target, y_target = (torch.tensor(a) for a in data)
+    order = torch.Generator().manual_seed(1000 + seed)  # train_sgd's order
+    epochs = [torch.randperm(len(x), generator=order) for _ in range(SGD_EPOCHS)]
+    batches = [e[s : s + SGD_BATCH] for e in epochs for s in range(0, len(x), SGD_BATCH)]
+
+    def target(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return margin_values(logits_of(params, x_target), y_target)
+
+    return {
+        "loss": ce_loss,
+        "params0": init("mlp", seed),
+        "data": (x, y),
+        "batches": batches,
+        "optimizer": influence.sgd(SGD_LR, momentum=SGD_MOMENTUM, weight_decay=L2),
+        "target": target,
+        "targets": (x_target, y_target),
+        "stacked_logits": stacked_logits,
+    }
+
+
+def metagradient_label(count: int) -> str:
+    runs = "1 run (seed 0)" if count == 1 else f"mean of {count} runs (seeds 0-{count - 1})"
+    return f"pergrad metagradient, {runs}"
+
+
+def metagradient_ensemble(
+    data: tuple[np.ndarray, ...], counts: tuple[int, ...]
+) -> list[tuple[str, np.ndarray, float]]:
+    """Per count of ``counts`` (increasing): its row's label, the mean of the metagradients of
+    the ``sgd_run``s of seeds ``0 .. count - 1`` (``(n_train, n_target)``), and the seconds of
+    those runs' metagradient calls (each run computed once, shared by the counts). First checks
+    that ``influence.replay`` of seed 0 is ``train_sgd``'s model."""
+    run_of = metagradient_module().run_of
+    first = sgd_run(data, 0)
+    final = influence.replay(*run_of(first))
+    for name, value in train_sgd(data[0], data[1], 0).items():
+        torch.testing.assert_close(final[name], value, rtol=1e-7, atol=1e-9)
+    runs: list[torch.Tensor] = []
+    seconds, rows = 0.0, []
+    for count in counts:
+        while len(runs) < count:
+            setup = first if not runs else sgd_run(data, len(runs))
+            call = functools.partial(influence.metagradient, *run_of(setup), setup["target"])
+            scores, spent = timed(call)
+            runs.append(scores)
+            seconds += spent
+        mean = torch.stack(runs[:count]).mean(0).numpy()
+        rows.append((metagradient_label(count), mean, seconds))
+    return rows
+
+
+def metagradient_methods(
+    data: tuple[np.ndarray, ...], five: int
+) -> dict[str, tuple[Method, list[float] | None]]:
+    """The metagradient rows (seed 0's run; the mean over ``five`` seeds' runs), computed
+    together when the first of them runs."""
+    counts = (1, five)
+    computed: list[tuple[str, np.ndarray, float]] = []
+
+    def row(index: int) -> tuple[np.ndarray, float]:
+        if not computed:
+            computed.extend(metagradient_ensemble(data, counts))
+        _, scores, seconds = computed[index]
+        return scores[None], seconds
+
+    return {
+        metagradient_label(count): (functools.partial(row, index), None)
+        for index, count in enumerate(counts)
+    }
+
+
+def same_seed_problem(
+    data: tuple[np.ndarray, ...], quick: bool
+) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """The same-seed ground truth of the mlp-sgd run of seed 0 (the full-set models' first):
+    per fraction dropped (``metagradient_lds.DROPPED``), ``N_SUBSETS`` subsets (8 quick)
+    retrained with that run's initialisation and order, the dropped examples' weights 0; the
+    half-size masks are the seed-averaged ground truth's (``lds_subsets`` seed 0)."""
+    mg = metagradient_module()
+    setup = sgd_run(data, 0)
+    mg.check_against_replay(setup)
+    subsets = 8 if quick else N_SUBSETS
+    truth, seconds = timed(lambda: mg.same_seed_truth(setup, subsets, seed=0))
+    print(f"  same-seed ground truth: {len(truth)} x {subsets} retrainings in {seconds:.0f} s")
+    return truth
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -672,13 +800,22 @@ def full_set_models(kind: str, data: tuple[np.ndarray, ...], count: int) -> list
 
 
 def evaluate(
-    kind: str, quick: bool, peers: dict[str, bool], only: list[str] | None = None
+    kind: str,
+    quick: bool,
+    peers: dict[str, bool],
+    only: list[str] | None = None,
+    metagradient: bool = False,
 ) -> tuple[list[tuple[str, str, float, float]], dict[str, Any]]:
     """The table's rows, and what the CG tolerance study needs (the models, the data, the
-    damping CG chose)."""
+    damping CG chose). ``metagradient`` (mlp-sgd only): also the metagradient rows, and each
+    row's same-seed LDS per fraction dropped in ``study["same_seed"]`` (name -> values)."""
     data, masks, outputs, sizes, arrays = problem(kind, quick)
     models: list[dict[str, torch.Tensor]] = []  # trained below, once the methods are known
     methods = methods_for(kind, models, arrays, sizes, peers)
+    same_seed = {}
+    if metagradient and kind == "mlp-sgd":
+        same_seed = same_seed_problem(data, quick)
+        methods.update(metagradient_methods(data, sizes[0]))
     if only:
         methods = {n: m for n, m in methods.items() if any(word in n for word in only)}
     needed = max(
@@ -703,10 +840,20 @@ def evaluate(
             study["damping"] = grid[best]
         rows.append((name, chosen, value, seconds))
         print(f"  {name:45s} LDS {value:.3f}  ({chosen}; {seconds:.1f} s)", flush=True)
+        if same_seed:
+            values = [held_out_lds(scores, *truth)[0] for truth in same_seed.values()]
+            study.setdefault("same_seed", {})[name] = values
+            print(f"  {'':45s} same-seed LDS " + " / ".join(f"{v:.3f}" for v in values))
     random_scores = np.random.default_rng(0).normal(size=(len(data[0]), len(data[2])))
     rows.append(
         ("random scores", "-", influence.lds(random_scores, masks[1::2], outputs[1::2]), 0.0)
     )
+    if same_seed:
+        study["same_seed"]["random scores"] = [
+            held_out_lds(random_scores[None], *truth)[0] for truth in same_seed.values()
+        ]
+        study["dropped"] = list(same_seed)
+    study["targets"] = len(data[2])
     return rows, study
 
 
@@ -968,6 +1115,48 @@ def write_trak_seeds(args: argparse.Namespace, all_results: dict[str, dict], don
     write_text(os.path.join(args.out, "attribution_lds_trak_seeds.md"), header + table)
 
 
+def results_table(rows: list[tuple[str, str, float, float]], study: dict[str, Any]) -> str:
+    """A regime's table; with same-seed values (``--metagradient``), their columns and the
+    seconds per target."""
+    header = ["method", "chosen on even subsets", "LDS (odd subsets)"]
+    same_seed = study.get("same_seed")
+    if not same_seed:
+        cells = [[n, c, f"{v:.3f}", f"{s:.1f}"] for n, c, v, s in rows]
+        return markdown_table([*header, "seconds"], cells)
+    header += [f"same-seed LDS, {d:.0%} dropped" for d in study["dropped"]]
+    header += ["seconds", "seconds per target"]
+    cells = [
+        [n, c, f"{v:.3f}", *(f"{x:.3f}" for x in same_seed[n]), f"{s:.1f}"]
+        + [f"{s / study['targets']:.3f}"]
+        for n, c, v, s in rows
+    ]
+    return markdown_table(header, cells)
+
+
+def metagradient_header(load: str, quick: bool) -> str:
+    """The header of ``attribution_lds_metagradient.md``: what the two regimes are."""
+    n_train, n_target, subsets = (200, 50, 8) if quick else (N_TRAIN, N_TARGET, N_SUBSETS)
+    return (
+        f"# attribution_lds.py --metagradient\n\n{machine_and_load(load)}, torch on "
+        f"{torch.get_num_threads()} thread(s). The mlp-sgd regime of attribution_lds.md "
+        f"({n_train} training digits, {n_target} targets, SGD lr {SGD_LR} momentum "
+        f"{SGD_MOMENTUM} L2 {L2}, {SGD_EPOCHS} epochs of batches of {SGD_BATCH}; its damping "
+        f'grids), every row scored against two ground truths. "LDS (odd subsets)": the '
+        f"seed-averaged one ({subsets} half-size subsets, each retrained with "
+        f'{SGD_SEEDS} training seeds and averaged; "what does the recipe learn from example '
+        f'i"). "same-seed LDS": the run of seed 0 (the 1-model rows\' model) retrained with '
+        f"the same initialisation and order and the dropped examples' weights 0, "
+        f"{subsets} subsets per fraction, the half-size ones the seed-averaged truth's "
+        f"(\"why did this run do that\"); a method's damping chosen on each truth's even "
+        f"subsets, the LDS on its odd ones. pergrad metagradient: "
+        f"`influence.metagradient` of the {n_target} margins through seed 0's run (float64, exact "
+        f"replay of train_sgd, checked), and the mean over the runs of seeds 0-"
+        f"{(2 if quick else ENSEMBLE) - 1}. Seconds: the chosen damping's solve for CG and LiSSA, the whole "
+        f"grid for the others, all the runs' calls for the metagradient mean; per target: "
+        f"seconds / {n_target}. Command: `{command_line()}`.\n\n"
+    )
+
+
 def machine_and_load(load: str) -> str:
     """The machine, and the load average ``load`` at the end of the run."""
     noisy = f"load average {load} at the end (a shared machine: times are noisy)"
@@ -980,8 +1169,18 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        default=["logreg", "mlp", "mlp-sgd"],
         choices=["logreg", "mlp", "mlp-sgd"],
+        help="default: all three (with --metagradient: mlp-sgd)",
+    )
+    parser.add_argument(
+        "--metagradient",
+        action="store_true",
+        help=(
+            "add pergrad's metagradient to the mlp-sgd table (seed 0's run; the mean over 5 "
+            "seeds' runs) and score every row also in the same-seed regime (seed 0's run "
+            "retrained with 1%%, 10%%, 50%% dropped), with seconds per target; writes "
+            "attribution_lds_metagradient.md (a run of mlp-sgd takes ~15 min on 2 loaded cores)"
+        ),
     )
     parser.add_argument("--no-traker", action="store_true", help="skip the traker peer")
     parser.add_argument("--no-jax", action="store_true", help="skip TRAK through JAX")
@@ -1016,8 +1215,10 @@ def main() -> None:
         ".md) into this directory",
     )
     args = parser.parse_args()
-    if args.trak_seeds is not None and (args.trak_seeds < 2 or args.only):
-        parser.error("--trak-seeds takes N >= 2 and runs its own rows (no --only)")
+    if args.trak_seeds is not None and (args.trak_seeds < 2 or args.only or args.metagradient):
+        parser.error("--trak-seeds takes N >= 2 and runs its own rows (no --only, --metagradient)")
+    if args.models is None:
+        args.models = ["mlp-sgd"] if args.metagradient else ["logreg", "mlp", "mlp-sgd"]
     torch.manual_seed(0)
     print(f"load average at the start: {load_average()}")
     peers = {"traker": not args.no_traker, "jax": not args.no_jax}
@@ -1030,17 +1231,18 @@ def main() -> None:
     if args.trak_seeds is not None:
         trak_seeds_main(args, peers)
         return
-    all_rows, study_lines = {}, []
+    all_rows, studies, study_lines = {}, {}, []
     for kind in args.models:
         print(f"{kind}:")
-        all_rows[kind], study = evaluate(kind, args.quick, peers, args.only)
+        all_rows[kind], studies[kind] = evaluate(
+            kind, args.quick, peers, args.only, args.metagradient
+        )
+        study = studies[kind]
         if kind == "mlp" and args.cg_tolerances and "damping" in study and not args.quick:
             study_lines = cg_tolerance_study(study, args.cg_tolerances)
     lines = []
-    header = ["method", "chosen on even subsets", "LDS (odd subsets)", "seconds"]
     for kind, rows in all_rows.items():
-        cells = [[n, c, f"{v:.3f}", f"{s:.1f}"] for n, c, v, s in rows]
-        lines += [f"### {TITLES[kind]}", "", markdown_table(header, cells), ""]
+        lines += [f"### {TITLES[kind]}", "", results_table(rows, studies[kind]), ""]
     if study_lines:
         lines += ["### CG's tolerance on the MLP (trained to convergence)", "", *study_lines, ""]
     verdict = trak_verdict(all_rows)
@@ -1050,7 +1252,12 @@ def main() -> None:
     print(table)
     load = load_average()
     print(f"load average at the end: {load}")
-    if args.out:
+    if args.out and args.metagradient:
+        write_text(
+            os.path.join(args.out, "attribution_lds_metagradient.md"),
+            metagradient_header(load, args.quick) + table,
+        )
+    elif args.out:
         header = (
             f"# attribution_lds.py\n\n{machine_and_load(load)}. {N_TRAIN} training digits, "
             f"{N_TARGET} targets, {N_SUBSETS} half-size subsets (32 to choose the damping, 32 to "

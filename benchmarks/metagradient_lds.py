@@ -57,7 +57,6 @@ N_TRAIN, HIDDEN, EPOCHS, BATCH, MOMENTUM, L2 = 1000, 128, 10, 32, 0.9, 1e-3
 LEARNING_RATES, HEADLINE = (0.01, 0.03, 0.05, 0.1), 0.03
 DROPPED = (0.01, 0.10, 0.50)
 ENSEMBLE = 5
-NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
 
 
 def load_data(n_train: int, n_target: int) -> tuple[torch.Tensor, ...]:
@@ -77,35 +76,61 @@ def margins_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits * onehot).sum(-1) - others
 
 
-def forward(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The MLP on ``x`` (``(n, 64)``) for a stack of ``m`` parameter sets: ``(m, n, 10)``."""
-    w1, b1, w2, b2 = params
-    hidden = torch.tanh(torch.einsum("ni,mhi->mnh", x, w1) + b1[:, None])
-    return torch.einsum("mnh,moh->mno", hidden, w2) + b2[:, None]
+def stacked_logits(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The MLP on ``x`` (``(n, 64)``) for a stack of ``m`` parameter sets, each leaf ``(m,
+    *shape)`` under ``nn.Sequential``'s names: ``(m, n, 10)``."""
+    hidden = torch.tanh(
+        torch.einsum("ni,mhi->mnh", x, params["0.weight"]) + params["0.bias"][:, None]
+    )
+    return torch.einsum("mnh,moh->mno", hidden, params["2.weight"]) + params["2.bias"][:, None]
 
 
-def retrained(setup: dict, weights: np.ndarray) -> list[torch.Tensor]:
-    """The run retrained with each row of ``weights`` (``(m, n_train)``), all at once: the
-    final parameters, each ``(m, *shape)``. ``replay``'s arithmetic, vectorised over rows."""
+def retrained(setup: dict, weights: np.ndarray) -> dict[str, torch.Tensor]:
+    """The run of ``setup`` retrained with each row of ``weights`` (``(m, n_train)``), all at
+    once: the final parameters, each ``(m, *shape)``. ``replay``'s arithmetic for
+    ``setup["optimizer"]`` (an ``influence.sgd``), vectorised over rows; the model is
+    ``setup["stacked_logits"]``, the loss the cross-entropy."""
     x, y = setup["data"]
-    count, lr = len(weights), setup["lr"]
-    params = [setup["params0"][k].expand(count, *setup["params0"][k].shape) for k in NAMES]
-    velocity = [torch.zeros_like(p) for p in params]
+    optimizer = setup["optimizer"]
+    lr, momentum, decay = optimizer.learning_rate, optimizer.momentum, optimizer.weight_decay
+    count = len(weights)
+    params = {k: v.expand(count, *v.shape) for k, v in setup["params0"].items()}
+    velocity = {k: torch.zeros_like(p) for k, p in params.items()}
     weights = torch.as_tensor(weights, dtype=torch.float64)
     for indices in setup["batches"]:
         index = torch.as_tensor(indices)
-        params = [p.detach().requires_grad_(True) for p in params]
-        logits = forward(params, x[index])
+        params = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        logits = setup["stacked_logits"](params, x[index])
         losses = F.cross_entropy(logits.flatten(0, 1), y[index].repeat(count), reduction="none")
         batch_loss = (weights[:, index] * losses.view(count, -1)).sum() / len(index)
-        grads = torch.autograd.grad(batch_loss, params)
+        grads = dict(zip(params, torch.autograd.grad(batch_loss, list(params.values()))))
         with torch.no_grad():
-            velocity = [MOMENTUM * v + g + L2 * p for v, g, p in zip(velocity, grads, params)]
-            params = [p - lr * v for p, v in zip(params, velocity)]
-    return [p.detach() for p in params]
+            velocity = {k: momentum * velocity[k] + grads[k] + decay * p for k, p in params.items()}
+            params = {k: p - lr * velocity[k] for k, p in params.items()}
+    return {k: p.detach() for k, p in params.items()}
 
 
-def setup_run(lr: float, n_target: int) -> dict:
+def same_seed_truth(
+    setup: dict, subsets: int, dropped: tuple[float, ...] = DROPPED, seed: int = 2
+) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """The same-seed ground truth of ``setup``'s run: for each fraction of ``dropped``,
+    ``(masks (subsets, n_train) bool, outputs (subsets, n_target))``, the masks from
+    ``lds_subsets`` (``seed``) and the targets' margins after retraining with the same
+    initialisation and order, the dropped examples' weights 0 (``retrained``)."""
+    x_target, y_target = setup["targets"]
+    truth = {}
+    for fraction in dropped:
+        masks = influence.lds_subsets(
+            len(setup["data"][0]), subsets, fraction=1 - fraction, seed=seed
+        )
+        logits = setup["stacked_logits"](retrained(setup, masks), x_target)
+        truth[fraction] = (masks, margins_of(logits, y_target).numpy())
+    return truth
+
+
+def setup_run(lr: float, n_target: int, epochs: int = EPOCHS) -> dict:
+    """The run at learning rate ``lr`` (``epochs`` epochs) and its ``n_target`` targets: what
+    ``metagradient``, ``replay`` (``run_of``) and ``retrained`` take, and the held-out digits."""
     x, y, x_target, y_target, x_held, y_held = load_data(N_TRAIN, n_target)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -115,7 +140,7 @@ def setup_run(lr: float, n_target: int) -> dict:
     order = np.random.default_rng(1)
     batches = [
         chunk
-        for _ in range(EPOCHS)
+        for _ in range(epochs)
         for chunk in np.array_split(order.permutation(N_TRAIN), range(BATCH, N_TRAIN, BATCH))
     ]
 
@@ -132,15 +157,15 @@ def setup_run(lr: float, n_target: int) -> dict:
         "target": target,
         "targets": (x_target, y_target),
         "held_out": (x_held, y_held),
+        "stacked_logits": stacked_logits,
     }
 
 
 def check_against_replay(setup: dict) -> None:
     """The vectorised retraining equals ``influence.replay`` on one subset (or raise)."""
-    mask = influence.lds_subsets(N_TRAIN, 1, fraction=0.9, seed=99)
+    mask = influence.lds_subsets(len(setup["data"][0]), 1, fraction=0.9, seed=99)
     final = influence.replay(*run_of(setup), mask[0])
-    mine = retrained(setup, mask.astype(np.float64))
-    for name, value in zip(NAMES, mine):
+    for name, value in retrained(setup, mask.astype(np.float64)).items():
         torch.testing.assert_close(value[0], final[name], rtol=1e-9, atol=1e-11)
 
 
@@ -162,12 +187,8 @@ def same_seed_rows(lr: float, n_target: int, subsets: int) -> tuple[list[list[st
     logits = torch.func.functional_call(setup["loss"].model, final, (x_held,))
     accuracy = float((logits.argmax(1) == y_held).double().mean())
     rows = []
-    for dropped in DROPPED:
-        masks = influence.lds_subsets(N_TRAIN, subsets, fraction=1 - dropped, seed=2)
-        outputs = margins_of(
-            forward(retrained(setup, masks), setup["targets"][0]), setup["targets"][1]
-        )
-        per_target = influence.lds(scores, masks, outputs.numpy(), per_target=True)
+    for dropped, (masks, outputs) in same_seed_truth(setup, subsets).items():
+        per_target = influence.lds(scores, masks, outputs, per_target=True)
         check = influence.linearity_check(
             *run_of(setup), setup["target"], scores, dropped=dropped, num_drops=4
         )
@@ -188,48 +209,17 @@ def same_seed_rows(lr: float, n_target: int, subsets: int) -> tuple[list[list[st
 
 
 def seed_averaged_rows(quick: bool) -> list[list[str]]:
-    """Metagradient rows for attribution_lds.py's seed-averaged ``mlp-sgd`` table."""
+    """Metagradient rows for attribution_lds.py's seed-averaged ``mlp-sgd`` table (its
+    ``metagradient_ensemble``)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import attribution_lds as peer
 
     data = peer.load_data(200 if quick else peer.N_TRAIN, 50 if quick else peer.N_TARGET)
     masks, outputs = peer.ground_truth("mlp-sgd", data, quick)
-    x, y, x_target, y_target = (torch.tensor(a) for a in data)
-    optimizer = influence.sgd(peer.SGD_LR, momentum=MOMENTUM, weight_decay=peer.L2)
-
-    def loss(params: dict, x_one: torch.Tensor, y_one: torch.Tensor) -> torch.Tensor:
-        return peer.ce_loss(params, x_one, y_one)
-
-    def target(params: dict) -> torch.Tensor:
-        return margins_of(peer.logits_of(params, x_target), y_target)
-
-    def run_scores(seed: int) -> torch.Tensor:
-        order = torch.Generator().manual_seed(1000 + seed)  # train_sgd's order
-        epochs = [torch.randperm(len(x), generator=order) for _ in range(peer.SGD_EPOCHS)]
-        size = peer.SGD_BATCH
-        batches = [
-            epoch[start : start + size] for epoch in epochs for start in range(0, len(x), size)
-        ]
-        params0 = peer.init("mlp", seed)
-        if seed == 0:  # the replay is attribution_lds.py's training run
-            final = influence.replay(loss, params0, (x, y), batches, optimizer)
-            reference = peer.train_sgd(data[0], data[1], seed)
-            for name, value in reference.items():
-                torch.testing.assert_close(final[name], value, rtol=1e-7, atol=1e-9)
-        return influence.metagradient(loss, params0, (x, y), batches, optimizer, target)
-
     rows = []
-    runs: list[torch.Tensor] = []
-    seconds = 0.0
-    for count in (1, 2 if quick else ENSEMBLE):
-        while len(runs) < count:
-            scores, spent = timed(lambda: run_scores(len(runs)))
-            runs.append(scores)
-            seconds += spent
-        mean = torch.stack(runs).mean(0).numpy()
-        value = influence.lds(mean, masks[1::2], outputs[1::2])
-        label = "1 run (seed 0)" if count == 1 else f"mean of {count} runs (seeds 0-{count - 1})"
-        rows.append([f"pergrad metagradient, {label}", f"{value:.3f}", f"{seconds:.1f}"])
+    for label, scores, seconds in peer.metagradient_ensemble(data, (1, 2 if quick else ENSEMBLE)):
+        value = influence.lds(scores, masks[1::2], outputs[1::2])
+        rows.append([label, f"{value:.3f}", f"{seconds:.1f}"])
         print("  " + " | ".join(rows[-1]), flush=True)
     return rows
 

@@ -387,3 +387,14 @@ def test_fsdp_memory_benchmark_quick_run(tmp_path) -> None:
     differences = dict(re.findall(r"(pergrad DP|Opacus ghost) (\d\.\de[+-]\d+)", agreement))
     assert float(differences["pergrad DP"]) < 1e-4, agreement
     assert "Opacus ghost did not run" in agreement or float(differences["Opacus ghost"]) < 1e-3
+
+
+def test_the_bergson_comparison_without_bergson_says_how_to_install_it() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("bergson") is not None:
+        pytest.skip("bergson is installed here: the script would run its comparison")
+    command = [sys.executable, "benchmarks/metagradient_bergson.py", "--quick"]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "needs bergson" in result.stderr and "pip install --no-deps bergson" in result.stderr

@@ -171,3 +171,25 @@ def test_bad_sizes_are_named():
         project_factored(len, {}, (), seed=-1)
     with pytest.raises(ValueError, match="batch must be a tuple"):
         project_factored(len, {}, 1)
+
+
+def test_project_factored_as_the_first_call_of_a_fresh_process():
+    """The layer numbering read the ghost rules before anything had imported (registered) them,
+    so project_factored as a program's first pergrad call failed with a KeyError (the suite's
+    other tests import them first: hence a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, pergrad\n"
+        "from pergrad.influence import project_factored\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))\n"
+        "loss = pergrad.module_loss(model, torch.nn.functional.cross_entropy)\n"
+        "x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))\n"
+        "own = project_factored(loss, loss.params(), (x, y), k_in=2, k_out=2)\n"
+        "copy = {k: v.clone() for k, v in loss.params().items()}\n"
+        "again = project_factored(loss, copy, (x, y), k_in=2, k_out=2)\n"
+        "assert own.shape[0] == 6 and torch.equal(own, again), (own, again)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -85,6 +85,7 @@ def module_positions(fn: Any) -> tuple[dict[Any, int] | None, frozenset[Any]]:
 
     if "torch" not in sys.modules:
         return None, frozenset()
+    from pergrad._src.capture import torch_layers  # noqa: F401  (importing it registers the rules)
     from pergrad._src.capture.rules import rule_for
     from pergrad._src.core.module_loss import ModuleLoss
 
