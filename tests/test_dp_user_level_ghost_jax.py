@@ -158,3 +158,30 @@ def test_ghost_matches_the_formed_users_sum(ids, max_norm):
     assert float(ghost.count) == len(np.unique(ids))
     for k in params:
         np.testing.assert_allclose(ghost.sum[k], formed.sum[k], rtol=2e-4, atol=2e-5)
+
+
+def test_optax_adaptive_clipping_counts_users_within_the_bound(monkeypatch):
+    """optax_aggregate(clipping=adaptive(...)) with user_ids: the bound moves by the count of
+    USERS within it (the count's noise set to 0 here), by the closed-form update."""
+    import math
+
+    from pergrad._src.dp.clipping_policies import AdaptiveClipping
+
+    monkeypatch.setattr(AdaptiveClipping, "noisy_counts", lambda self, counts, rng: counts)
+    params = make_params()
+    x, y = batch(len(USERS))
+    grads = jax.vmap(jax.grad(loss), (None, 0, 0))(params, x, y)
+    norms = []
+    for user in np.unique(USERS):
+        summed = [np.asarray(g, np.float64)[np.equal(USERS, user)].sum(0) for g in grads.values()]
+        norms.append(float(np.sqrt(sum((s**2).sum() for s in summed))))
+    ordered = sorted(norms)
+    bound = (ordered[2] + ordered[3]) / 2  # 3 users within it, 2 not, none near it
+    policy = dp.adaptive(count_noise_std=2.0, target_quantile=0.7, learning_rate=0.3)
+    tx = dp.optax_aggregate(bound, 0.0, 0, expected_batch_size=4.0, clipping=policy)
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(grads, state, params, user_ids=jnp.asarray(USERS))
+    within, count = sum(n <= bound for n in norms), len(norms)
+    expected = bound * math.exp(-0.3 * ((within - count / 2) / 4.0 + 0.5 - 0.7))
+    assert float(state.count) == count and 0 < within < count
+    assert float(state.max_norm) == pytest.approx(expected, rel=1e-5)

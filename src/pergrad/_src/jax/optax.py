@@ -23,7 +23,8 @@ from pergrad._src.dp.clipping_policies import (
 )
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.psum import check_axis_name
-from pergrad._src.errors import PergradTypeError, PergradValueError
+from pergrad._src.dp.users import user_slots
+from pergrad._src.errors import PergradTypeError
 
 
 class PrivateAggregateState(NamedTuple):
@@ -79,8 +80,9 @@ def optax_aggregate(
     (:func:`pergrad.dp.clipped_sum` with ``user_ids``; static shapes, so under ``jax.jit`` too,
     with a traced ``user_ids``), ``expected_batch_size`` is then the expected number of USERS
     per batch and ``state.count`` the users of the last step. Sample users with
-    :func:`pergrad.dp.poisson_user_batches` and account with its ``sample_rate``. Not with
-    ``axis_name`` or :func:`pergrad.dp.adaptive` clipping.
+    :func:`pergrad.dp.poisson_user_batches` and account with its ``sample_rate``. Under
+    :func:`pergrad.dp.adaptive` clipping the bound follows the count of users within it. Not
+    with ``axis_name`` (a user's examples must be on one device).
 
     Several devices: under ``jax.jit`` with the batch sharded over a mesh
     (:func:`pergrad.dp.shard_batch`) and the state replicated, it needs nothing more: each
@@ -187,22 +189,27 @@ def _adaptive_aggregate(
         **extra: Any,
     ) -> tuple[Any, PrivateAggregateState]:
         del params, extra
-        if user_ids is not None:
-            raise PergradValueError(
-                "optax_aggregate: user_ids (user-level clipping) is not supported with "
-                "adaptive clipping yet; pass clipping=None (a fixed max_norm) or drop user_ids."
-            )
         next_key, noise_key, count_key = jax.random.split(state.key, 3)
         bounds = jax.tree_util.tree_leaves(state.max_norm)
         stats = clipped_sum(
-            updates, state.max_norm, mask=mask, axis_name=axis_name, clipping=policy
+            updates,
+            state.max_norm,
+            mask=mask,
+            axis_name=axis_name,
+            clipping=policy,
+            user_ids=user_ids,
         )
+        counted = mask
+        if user_ids is not None:  # the norms are in the users' rows: count those rows
+            unit = jnp.ones((), jax.tree_util.tree_leaves(updates)[0].dtype)
+            rows = user_slots(get_backend("jax"), jnp.asarray(user_ids), mask, unit).real
+            counted = rows != 0
         mean, noise_state = noisy_mean(
             stats, gradient_multiplier, noise_key, expected_batch_size, mechanism, state.noise_state
         )
         group_norms = stats.norms if isinstance(stats.norms, list) else [stats.norms]
         bk = get_backend("jax")
-        unclipped = policy.unclipped_counts(bk, group_norms, bounds, mask)
+        unclipped = policy.unclipped_counts(bk, group_norms, bounds, counted)
         if axis_name is not None:  # the norms are this device's; the count is global already
             unclipped = jax.lax.psum(unclipped, axis_name)
         new_bounds = policy.next_bounds(
