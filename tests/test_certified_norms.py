@@ -127,6 +127,87 @@ def test_torch_bias_and_embedding_bounds_cover_the_rounding(seed, length, cancel
     assert_certified(found.estimate.numpy(), found.bound.numpy(), (rows**2).sum((1, 2)))
 
 
+# --- tightening without host reads; the coarse bound of short sequences -----------------------
+
+
+class NoHostReads(torch.overrides.TorchFunctionMode):
+    """Fails on any read of a tensor's values by the host (what stalls it on an accelerator)."""
+
+    READS = {
+        torch.Tensor.__bool__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.nonzero,
+        torch.nonzero,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise AssertionError(f"the host read a tensor's values ({func.__name__})")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("width", [16, 64])  # the formed route, the Gram route
+def test_tightening_without_host_reads_matches_the_host_decision(width):
+    """Where a layer is small next to a host stall on an accelerator, every example is computed
+    again in float64 and the loose ones' values taken by a mask: the same certified norms as
+    reading which examples are loose and computing only those, and no host read."""
+    from pergrad._src.capture import torch_norms
+
+    inputs, grads = records(3, 6, 8, width, width, 1e-4)
+    grads[::2] = records(4, 6, 8, width, width, 1.0)[1][::2]  # half the examples do not cancel
+    a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "ROUNDING_TOLERANCE", math.inf)
+        fast = torch_norms.outer_product_squared_norms(a, d)
+    loose = (fast.bound > cost.ROUNDING_TOLERANCE * fast.estimate).tolist()
+    assert loose == [False, True] * 3  # the cancelling examples need float64
+    with NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        torch_norms.outer_product_squared_norms(a, d)  # a CPU reads which rows are loose
+    read = torch_norms.outer_product_squared_norms(a, d)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_norms, "_without_sync", lambda *_: True)
+        with NoHostReads():
+            masked = torch_norms.outer_product_squared_norms(a, d)
+    torch.testing.assert_close(masked.estimate, read.estimate, rtol=1e-6, atol=0)
+    torch.testing.assert_close(masked.bound, read.bound, rtol=1e-6, atol=0)
+    assert_certified(masked.estimate.numpy(), masked.bound.numpy(), exact_squared(inputs, grads))
+    assert_norms_close(masked.estimate.numpy() ** 0.5, exact_squared(inputs, grads) ** 0.5,
+                       term_sizes(inputs, grads))  # fmt: skip
+
+
+def test_tightening_without_sync_only_off_the_cpu():
+    assert not cost.tighten_without_sync("cpu", 1.0)
+    assert cost.tighten_without_sync("cuda", 1.0)
+    assert not cost.tighten_without_sync("cuda", cost.SYNC_COST)
+
+
+@pytest.mark.parametrize("cancel", [1.0, 1e-3])
+def test_coarse_gram_bound_covers_the_rounding_and_bounds_the_fine_one(cancel):
+    """Short sequences of narrow layers bound the Gram route's sums by Cauchy-Schwarz: still a
+    bound (the fast estimate alone, no float64), and never below the fine one's."""
+    from pergrad._src.capture import torch_norms
+
+    inputs, grads = records(5, 4, 6, 12, 10, cancel)
+    assert cost.coarse_gram_bound_suffices(6, (12, 10), torch_norms.unit_roundoff(torch.float32))
+    a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+    coarse = torch_norms._gram_in(a, d, 0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_: False)
+        fine = torch_norms._gram_in(a, d, 0.0)
+    assert torch.equal(coarse.estimate, fine.estimate)
+    assert torch.all(coarse.bound >= fine.bound)
+    assert_certified(coarse.estimate.numpy(), coarse.bound.numpy(), exact_squared(inputs, grads))
+
+
+def test_coarse_gram_bound_only_for_short_narrow_layers():
+    unit = 2.0**-24
+    assert cost.coarse_gram_bound_suffices(8, (64, 64), unit)
+    assert not cost.coarse_gram_bound_suffices(512, (768, 768), unit)
+
+
 # --- the bound is what keeps a clipped example within max_norm ---------------------------------
 
 WIDTH = 32  # 2 T (p + q) <= p q at T = 8: the Gram route

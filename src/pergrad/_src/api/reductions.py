@@ -46,7 +46,9 @@ def per_example_norms_of(
         structure of the differentiated argument (their squares sum to the global norm squared).
       strategy: ``"auto"`` (default: ``"ghost"`` for a ``module_loss`` whose every trainable
         parameter sits in a layer with a ghost rule, and for a JAX loss whose parameters outside
-        contractions need at most 2**25 per-example numbers; else ``"chunked"``), ``"ghost"``,
+        contractions need at most 2**25 per-example numbers; else ``"chunked"``; for a
+        ``module_loss`` whose per-example gradients fit in 2**25 numbers, ``"materialize"``
+        where the cost model of ``choose_strategy`` finds it cheaper), ``"ghost"``,
         ``"ghost-lowmem"`` (PyTorch: each layer's norms in the backward pass, its records
         dropped there; a clipped sum then takes a second backward pass), ``"chunked"``, or
         ``"materialize"`` (per-example gradients, then their norms).
@@ -131,7 +133,11 @@ def choose_strategy(
 ) -> StrategyChoice:
     """The :class:`StrategyChoice` that :func:`per_example_norms_of` would make for this call.
 
-    Runs nothing; validates like the real call (a bad ``strategy`` raises the same error).
+    Computes nothing per example; validates like the real call (a bad ``strategy`` raises the
+    same error). Under ``"auto"``, a PyTorch ``module_loss`` whose per-example gradients would
+    fit in 2**25 numbers runs once on the batch's first example, without gradients and leaving
+    the model and the random stream as they were, for the layer shapes of the cost model that
+    chooses between the ghost norms and materialising (``reason`` gives its estimates).
 
     Example::
 

@@ -47,6 +47,22 @@ FAST_MARGIN = 1 / 8
 # False: the Gram route in float64 as before, for a benchmark's baseline (read at each call).
 FAST_NORMS = True
 
+# Reading on the host which examples' certified norms need float64 stalls it until an
+# accelerator has caught up: about 20 us, the time of this many float32 multiply-adds of a
+# matrix product on a current GPU (not measured yet on one). Where computing every example again
+# costs less (FLOAT64_ACCELERATOR_COST per multiply-add), the tightening does so instead,
+# without reading anything (torch_norms._tightened). A CPU has nothing to wait for.
+SYNC_COST = 10**9
+FLOAT64_ACCELERATOR_COST = 16
+
+
+def tighten_without_sync(device_type: str, work: float) -> bool:
+    """Whether a layer's certified norms are tightened without a host read on a
+    ``device_type`` device: every example again in float64 (``work`` float32 multiply-adds in
+    the fast precision) costs less than the stall of reading which examples need it."""
+    return device_type != "cpu" and FLOAT64_ACCELERATOR_COST * work <= SYNC_COST
+
+
 # "auto" takes the ghost strategy (either framework) only if the per-example gradients it forms
 # for parameters outside every rule (layers without a rule, bare parameters) stay under this
 # many numbers (B x their size; 128 MB in float32); else the chunked strategy.
@@ -133,6 +149,24 @@ def fast_gram_suffices(
     return len(widths) * widest + summed <= FAST_MARGIN * ROUNDING_TOLERANCE
 
 
+def coarse_gram_bound_suffices(
+    positions: int, widths: tuple[int, int], unit: float, input_unit: float = 0.0
+) -> bool:
+    """Whether the Gram route's bound may bound its sums ``sum |A_ts D_ts|``, ``sum |a_t||a_s|
+    |D_ts|``, ``sum |A_ts| |d_t||d_s|`` by Cauchy-Schwarz, ``|A_ts| <= |a_t||a_s|``: each by
+    ``S^2 = (sum_t |a_t||d_t|)^2``, which costs no ``T x T`` matrix. For ``T`` positions that
+    do not cancel the squared norm is about ``S^2 / T`` (orthogonal positions) or more, so the
+    coarse bound stays under ``FAST_MARGIN * ROUNDING_TOLERANCE`` of it when ``T (gamma_(2T+2)
+    + alpha + beta)`` does: short sequences of narrow layers, where the bound's kernels, not
+    its arithmetic, cost the time."""
+    if not FAST_NORMS:
+        return False
+    alpha = product_error(widths[0], unit, input_unit)
+    beta = product_error(widths[1], unit, input_unit)
+    share = gamma(2 * positions + 2, unit) + alpha + beta + alpha * beta
+    return positions * share * (1 + alpha) * (1 + beta) <= FAST_MARGIN * ROUNDING_TOLERANCE
+
+
 def gram_is_cheaper_for(positions: int, widths: tuple[int, ...]) -> bool:
     """Whether the Gram route costs less for a gradient with factors of these ``widths``
     (``(p, q)`` for a dense layer, ``(out, in1, in2)`` for a bilinear one) at ``positions``:
@@ -198,3 +232,103 @@ def formed_or_gram_route(
 def dense_route(width_in: int, width_out: int, input_unit: float = 0.0) -> str:
     """:func:`formed_or_gram_route` for a ``width_in x width_out`` dense layer."""
     return formed_or_gram_route((width_in, width_out), input_unit=input_unit)
+
+
+# --- "auto" between the ghost norms and materialised per-example gradients -----------------
+#
+# Both are exact (each clips by an upper bound of each example's norm); they differ in time
+# and memory. In multiply-adds: materialising costs MATERIALIZED_NUMBER_COST for each of the
+# B x P per-example gradient numbers (written by vmap, read by the norms and again by the
+# weighted sum); the ghost strategy costs each layer's norm work per example
+# (layer_norm_work) and GHOST_LAYER_COST per layer call and step (its hooks, records and the
+# bound's small kernels), whatever the batch; its weighted sum is one weight gradient, as the
+# per-example gradients' own computation is for materialising (the two cancel). Fitted to
+# Opacus's MNIST SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py, 1 thread): past the
+# batch gradient, materialising took about 0.25 ms per example, the ghost norms 0.14 ms per
+# example and 2 ms more per step, so materialising is faster below about 20-30 examples and
+# slower above (measured: 0.85x the ghost norms' time at B = 16, a tie at 32, 1.2x at 128).
+# The same constants send a small transformer over 256 tokens (B = 8, formed norms) to
+# materialising (measured 0.8-0.9x) and MLPs (closed-form norms) to the ghost norms
+# (materialising 10-40x slower): benchmarks/results/cpu/auto_choice.md.
+MATERIALIZED_NUMBER_COST = 32
+GHOST_LAYER_COST = 2**21
+# The certified bound's own work per position and unit of width (the magnitudes |a_t|, |d_t|
+# and the bound's sums), next to the T p q of forming a gradient.
+BOUND_WORK = 4
+# Below this many per-example numbers (B x P, 1 MB in float32) "auto" keeps the ghost norms
+# (which also give each example's loss) without estimating: either route takes a few
+# milliseconds there, and the fixed costs that decide between them are the least certain part
+# of the model.
+MIN_CHOICE_NUMBERS = 2**18
+
+
+class LayerWork(NamedTuple):
+    """One layer call's shape, as the cost model of the route choice sees it.
+
+    Attributes:
+      kind: ``"dense"`` (a linear map applied at ``positions``: linear layers, convolutions'
+        patches), ``"formed"`` (its per-example gradient formed as materialising would:
+        a convolution with many positions, a generic unit), or ``"light"`` (elementwise rules:
+        norm layers, embeddings; work linear in the output).
+      positions: ``T``, positions per example (conv output positions, tokens).
+      widths: ``(p, q)`` per group for ``"dense"``; ``(output numbers per example,)`` for
+        ``"light"``.
+      groups: independent blocks (conv groups).
+      numbers: the parameter numbers this layer owns (its part of ``P``).
+    """
+
+    kind: str
+    positions: int
+    widths: tuple[int, ...]
+    groups: int
+    numbers: int
+
+
+def layer_norm_work(layer: LayerWork) -> float:
+    """Multiply-adds per example of one layer call's ghost norms (see :func:`route_costs`)."""
+    if layer.kind == "light":
+        return float(math.prod(layer.widths))
+    if layer.kind == "formed":
+        dense = layer.positions * layer.numbers
+        return dense + MATERIALIZED_NUMBER_COST * layer.numbers
+    positions, (width_in, width_out) = layer.positions, layer.widths
+    if positions <= 1:
+        return float(layer.groups * (width_in + width_out))
+    if gram_is_cheaper(positions, width_in, width_out):
+        work = FLOAT64_COST * positions * positions * (width_in + width_out)
+    else:
+        work = positions * width_in * width_out
+    return layer.groups * (work + BOUND_WORK * positions * (width_in + width_out))
+
+
+class RouteCosts(NamedTuple):
+    """What :func:`route_costs` estimates for one call, in multiply-adds."""
+
+    ghost: float
+    materialize: float
+    numbers: int  # B x P, the per-example gradient numbers materialising forms
+
+    def materialize_is_cheaper(self) -> bool:
+        return (
+            MIN_CHOICE_NUMBERS <= self.numbers <= MAX_FORMED_NUMBERS
+            and self.materialize < self.ghost
+        )
+
+    def describe(self) -> str:
+        """The comparison in words, for ``StrategyChoice.reason``."""
+        return (
+            f"estimated extra work over a batch gradient: ghost norms {self.ghost:.3g} "
+            f"multiply-adds, materialised per-example gradients {self.materialize:.3g} "
+            f"({self.numbers:,} numbers, at most {MAX_FORMED_NUMBERS:,} allowed)"
+        )
+
+
+def route_costs(batch_size: int, num_params: int, layers: list[LayerWork]) -> RouteCosts:
+    """The extra work of each exact route over a batch gradient, for ``B = batch_size``
+    examples and ``P = num_params`` differentiated numbers: the ghost strategy's per-layer
+    norms (:func:`layer_norm_work`, every call of every layer) and its ``GHOST_LAYER_COST``
+    per layer call against materialising's ``MATERIALIZED_NUMBER_COST B P``."""
+    per_example = sum(layer_norm_work(layer) for layer in layers)
+    ghost = batch_size * per_example + GHOST_LAYER_COST * len(layers)
+    numbers = batch_size * num_params
+    return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers)

@@ -152,18 +152,42 @@ def _tightened(
 ) -> Any:
     """``found`` with the examples whose bound exceeds ``cost.ROUNDING_TOLERANCE`` of their
     estimate (positions that cancel) computed again from float64 copies of their records: by
-    the Gram matrices where ``gram``, else formed. One host sync; nothing recomputed (and no
-    float64 on MPS, which has none) where every bound is tight."""
+    the Gram matrices where ``gram``, else formed. Nothing in float64 on MPS, which has none.
+
+    Which examples those are is known on the device only. On a CPU, reading it costs nothing
+    (every kernel has finished when it returns): only the loose examples are computed again,
+    none in the usual case. On an accelerator, reading it would stall the host until the
+    device catches up, once per layer: where every example again in float64 costs less than
+    such a stall (``cost.tighten_without_sync``: small layers, whose kernels are too short to
+    hide it) every example is computed again and the loose ones' values taken by a mask,
+    without the host ever waiting; a larger layer's work hides the stall, and it is read."""
+    if not _has_float64(activations):
+        return found
     loose = found.bound > cost.ROUNDING_TOLERANCE * found.estimate
-    if not _has_float64(activations) or not bool(loose.any()):
+    route = _gram_in if gram else _formed_in
+    if _without_sync(activations, output_grads):
+        exact = _in_chunks(activations, output_grads, route, 0.0, wide=True)
+        return cost.Certified(
+            torch.where(loose, exact.estimate, found.estimate),
+            torch.where(loose, exact.bound, found.bound),
+        )
+    if not bool(loose.any()):
         return found
     rows = loose.nonzero().squeeze(1)
-    route = _gram_in if gram else _formed_in
     exact = _in_chunks(activations[rows], output_grads[rows], route, 0.0, wide=True)
     return cost.Certified(
         found.estimate.index_copy(0, rows, exact.estimate),
         found.bound.index_copy(0, rows, exact.bound),
     )
+
+
+def _without_sync(activations: torch.Tensor, output_grads: torch.Tensor) -> bool:
+    """``cost.tighten_without_sync`` for this layer's records (never on a CPU)."""
+    if activations.device.type == "cpu":
+        return False
+    batch, groups, positions, width_in = activations.shape
+    shape = cost.LayerWork("dense", positions, (width_in, output_grads.shape[-1]), groups, 0)
+    return cost.tighten_without_sync(activations.device.type, batch * cost.layer_norm_work(shape))
 
 
 def _in_chunks(
@@ -231,44 +255,56 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
 
     from the computed ``A``, ``D`` (their own rounding is in the last term). The bound's sums
     are of non-negative terms, each within ``gamma_k`` relatively: it is raised by ``2
-    gamma_k`` for them. No underflow is assumed (its errors are absolute, below ``2**-126`` per
-    operation in float32, far under any clipping bound)."""
+    gamma_k`` for them. Where ``cost.coarse_gram_bound_suffices`` (short sequences, narrow
+    layers: kernel-bound), the three sums take their Cauchy-Schwarz bounds instead, each at
+    most ``(1 + alpha)(1 + beta) sum_g (sum_t |a_t||d_t|)^2``: no ``T x T`` matrix of the bound
+    is formed, and the bound of an example whose positions do not cancel stays under
+    ``cost.FAST_MARGIN`` of the tolerance (one that cancels is computed again). No underflow
+    is assumed (its errors are absolute, below ``2**-126`` per operation in float32, far under
+    any clipping bound)."""
     batch, groups, positions = a.shape[:3]
     width_in, width_out = a.shape[-1], d.shape[-1]
     unit = unit_roundoff(a.dtype)
-    per_entry = 5 * batch * groups * a.element_size()
+    alpha = cost.product_error(width_in, unit, input_unit)
+    beta = cost.product_error(width_out, unit, input_unit)
+    coarse = cost.coarse_gram_bound_suffices(positions, (width_in, width_out), unit, input_unit)
+    # (4 or 1, B): the sum, then sum |A D|, sum |a_t||a_s| |D_ts| and sum |A_ts| |d_t||d_s|
+    # (not needed for a coarse bound), each block's matrices written side by side and reduced
+    # by one nested sum: a third of the kernels of reducing each alone (small layers are
+    # kernel-bound)
+    count = 1 if coarse else 4
+    per_entry = (2 + count) * batch * groups * a.element_size()
     block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
     blocks = -(-positions // block)
     norms_a, norms_d = magnitudes(a), magnitudes(d)
-    total = a.new_zeros(batch)
-    magnitude = a.new_zeros(batch)  # sum |A D|
-    from_a = a.new_zeros(batch)  # sum |a_t||a_s| |D_ts|
-    from_d = a.new_zeros(batch)  # sum |A_ts| |d_t||d_s|
+    sums = a.new_zeros(count, batch)
     for start in range(0, positions, block):
         rows = slice(start, start + block)
         for other in range(0, positions, block):
             cols = slice(other, other + block)
             gram_a = a[:, :, rows] @ a[:, :, cols].transpose(-1, -2)
             gram_d = d[:, :, rows] @ d[:, :, cols].transpose(-1, -2)
-            product = gram_a * gram_d
-            total = total + _nested_sum(product)
-            magnitude = magnitude + _nested_sum(product.abs_())
-            outer_a = norms_a[:, :, rows, None] * norms_a[:, :, None, cols]
-            from_a = from_a + _nested_sum(outer_a.mul_(gram_d.abs_()))
-            outer_d = norms_d[:, :, rows, None] * norms_d[:, :, None, cols]
-            from_d = from_d + _nested_sum(outer_d.mul_(gram_a.abs_()))
-    alpha = cost.product_error(width_in, unit, input_unit)
-    beta = cost.product_error(width_out, unit, input_unit)
+            parts = gram_a.new_empty((count, *gram_a.shape))
+            torch.mul(gram_a, gram_d, out=parts[0])
+            if not coarse:
+                torch.abs(parts[0], out=parts[1])
+                torch.mul(norms_a[:, :, rows, None], norms_a[:, :, None, cols], out=parts[2])
+                torch.mul(norms_d[:, :, rows, None], norms_d[:, :, None, cols], out=parts[3])
+                parts[2].mul_(gram_d.abs_())
+                parts[3].mul_(gram_a.abs_())
+            sums += parts.sum(-1).sum(-1).sum(-1)
     depth = 2 * block + groups + blocks * blocks
-    terms = (norms_a * norms_d).sum(-1)  # (B, G): sum_t |a_t| |d_t|
-    bound = (
-        cost.gamma(depth + 1, unit) * magnitude
-        + alpha * from_a
-        + beta * from_d
-        + alpha * beta * (terms * terms).sum(-1)
-    )
-    own = cost.gamma(depth + 2 * (width_in + width_out + positions) + 16, unit)
-    return cost.Certified(total.clamp_min(0), bound * (1 + 2 * own))
+    terms = torch.linalg.vecdot(norms_a, norms_d)  # (B, G): sum_t |a_t| |d_t|
+    raised = 1 + 2 * cost.gamma(depth + 2 * (width_in + width_out + positions) + 16, unit)
+    summed = cost.gamma(depth + 1, unit)
+    if coarse:  # |A_ts| <= (1 + alpha) |a_t||a_s|, |D_ts| <= (1 + beta) |d_t||d_s|
+        share = summed * (1 + alpha) * (1 + beta) + alpha * (1 + beta) + beta * (1 + alpha)
+        bound = torch.linalg.vecdot(terms, terms).mul_((share + alpha * beta) * raised)
+        return cost.Certified(sums[0].clamp_min(0), bound)
+    bound = torch.linalg.vecdot(terms, terms).mul_(alpha * beta * raised)
+    bound.add_(sums[1], alpha=summed * raised)
+    bound.add_(sums[2], alpha=alpha * raised).add_(sums[3], alpha=beta * raised)
+    return cost.Certified(sums[0].clamp_min(0), bound)
 
 
 def _nested_sum(x: torch.Tensor) -> torch.Tensor:
@@ -298,8 +334,8 @@ def _formed_in(
     formed = torch.matmul(a.transpose(-1, -2).to(dtype), d.to(dtype), out=out)
     squared = _nested_sum(formed.square_())
     theta = cost.product_error(positions, unit, input_unit)
-    terms = (magnitudes(a) * magnitudes(d)).sum(-1)  # (B, G)
-    error = theta * (terms * terms).sum(-1).sqrt()
+    terms = torch.linalg.vecdot(magnitudes(a), magnitudes(d))  # (B, G)
+    error = torch.linalg.vector_norm(terms, dim=-1).mul_(theta)
     return certified_sum_of_squares(squared, error, width_in + width_out + groups + positions)
 
 
@@ -310,10 +346,12 @@ def certified_sum_of_squares(squared: torch.Tensor, error: torch.Tensor, depth: 
     raised by ``2 gamma`` for its own rounding."""
     unit = unit_roundoff(squared.dtype)
     relative = cost.gamma(depth + 1, unit)
-    upper = (squared * (1 + 2 * relative)).sqrt() + error
-    own = cost.gamma(2 * depth + 16, unit)
-    bound = (upper * upper - squared).clamp_min(0) * (1 + 2 * own) + 4 * unit * squared
-    return cost.Certified(squared, bound)
+    raised = 1 + 2 * cost.gamma(2 * depth + 16, unit)
+    # (r + e)^2 - s with r = sqrt(s (1 + 2 gamma)), expanded: e (2 r + e) + 2 gamma s, a sum of
+    # non-negative terms (no cancellation, so no clamp), in five kernels
+    twice_root = squared.mul(4 * (1 + 2 * relative)).sqrt_().add_(error)
+    scaled = squared.mul(2 * relative * raised + 4 * unit)
+    return cost.Certified(squared, torch.addcmul(scaled, error, twice_root, value=raised))
 
 
 def summed_squared_norms(terms: torch.Tensor) -> Any:

@@ -63,7 +63,7 @@ class UserRows:
             user[rows] = number
         self.num_users = len(groups)
         self.user = torch.from_numpy(user).to(self.device)
-        self.first = torch.tensor([rows[0] for rows in groups], dtype=torch.long)
+        self.first = torch.tensor([rows[0] for rows in groups], dtype=torch.long, device="cpu")
         by_size: dict[int, list[int]] = {}
         for number, rows in enumerate(groups):
             by_size.setdefault(1 << (len(rows) - 1).bit_length(), []).append(number)

@@ -239,7 +239,11 @@ def _user_level_run(
                     raise
                 why_not = f"the ghost strategy failed ({err.__cause__})"
         else:
-            why_not = f"the ghost strategy cannot take this call: {chosen.why}"
+            why_not = (
+                f"{CHEAPER}: {chosen.why}"  # "auto"'s cost model (never a refusal to warn of)
+                if chosen.strategy == "materialize"
+                else f"the ghost strategy cannot take this call: {chosen.why}"
+            )
             if strategy == "ghost" and request.call.batch_size:  # (an empty batch: ordinary)
                 raise PergradValueError(
                     f"{func_name}: strategy='ghost' cannot clip by user (user_ids=) here: "
@@ -308,6 +312,7 @@ def _user_level_ghost(
     return ClippedRun(clipped, choice, ran, reduction.losses)
 
 
+CHEAPER = "forming them is cheaper here"
 USER_LEVEL_REASON = (
     "user-level clipping (user_ids=): per-example gradients formed, summed per user, then clipped"
 )

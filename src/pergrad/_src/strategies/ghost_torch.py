@@ -95,7 +95,13 @@ from typing import Any
 
 import torch
 
-from pergrad._src.capture import cost, torch_passes, torch_quantities, torch_users
+from pergrad._src.capture import (
+    cost,
+    torch_passes,
+    torch_probe,
+    torch_quantities,
+    torch_users,
+)
 from pergrad._src.capture.torch_plan import GhostPlan, describe_formed, norm_route, plan
 from pergrad._src.capture.torch_quantities import weighted_calls
 from pergrad._src.capture.torch_session import CapturedPass
@@ -152,7 +158,37 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
     routes = {layer: norm_route(request.fn.model, layer, rule) for layer, rule in layers.items()}
+    costs = None if forced or name != "ghost" else _route_costs(request, found)
+    if isinstance(costs, cost.RouteCosts) and costs.materialize_is_cheaper():
+        why = f"materialising the per-example gradients is cheaper: {costs.describe()}"
+        choice = StrategyChoice("materialize", why, request.chunk_size, layers, norm_routes=routes)
+        return Assessment(name, False, why, choice)
+    if isinstance(costs, cost.RouteCosts):
+        why += f"; the ghost norms are cheaper: {costs.describe()}"
+    elif costs:
+        why += f"; {costs}"
     return Assessment(name, True, why, StrategyChoice(name, why, None, layers, norm_routes=routes))
+
+
+def _route_costs(request: ReduceRequest, found: GhostPlan) -> cost.RouteCosts | str | None:
+    """The cost model's estimates of the ghost norms and of materialising for this call
+    (``cost.route_costs``); or why materialising is out of the question (more per-example
+    numbers than ``cost.MAX_FORMED_NUMBERS``), or why there is no estimate (a rule the model
+    does not know, a model that does not run on one example alone); None below
+    ``cost.MIN_CHOICE_NUMBERS`` per-example numbers, where the ghost norms are kept."""
+    num_params = sum(p.numel() for p in request.args[0].values())
+    numbers = request.call.batch_size * num_params
+    if numbers > cost.MAX_FORMED_NUMBERS:
+        return (
+            f"materialising would form {numbers:,} per-example numbers (more than "
+            f"{cost.MAX_FORMED_NUMBERS:,})"
+        )
+    if numbers < cost.MIN_CHOICE_NUMBERS:
+        return None
+    works = torch_probe.layer_works(request.fn, found.layers, found.generic_size, request.args)
+    if isinstance(works, str):
+        return f"no estimate of materialising's cost: {works}"
+    return cost.route_costs(request.call.batch_size, num_params, works)
 
 
 def ghost(

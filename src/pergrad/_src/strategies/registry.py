@@ -8,12 +8,15 @@ considers them):
   (PyTorch ``module_loss``), ``loop``.
 - ``"reduce"``, per-example squared norms and weighted sums without keeping the gradients
   (:func:`pergrad.norms.per_example_norms_of`, :func:`pergrad.dp.clipped_sum_of`,
-  ``DPOptimizer``): ``materialize`` (taken by "auto" only for an empty batch), ``ghost``,
-  ``chunked``.
+  ``DPOptimizer``): ``ghost``, ``materialize`` (taken by "auto" for an empty batch, and where
+  the ghost strategy refuses because the cost model finds materialising cheaper: a small
+  PyTorch model with many examples per parameter, ``capture/cost.route_costs``), ``chunked``.
 
 Each :class:`Strategy` answers two questions:
 
-- ``assess(request, forced, refused)``: can it take this call, judged before running anything?
+- ``assess(request, forced, refused)``: can it take this call, judged before running anything
+  (the ghost strategy's cost model may run the model on one example, without gradients, to
+  learn its layer shapes: ``capture/torch_probe.py``)?
   An :class:`Assessment` that accepts with a reason and details (the layers a ghost plan covers,
   the chunk size), or refuses with why not. ``forced`` is True when the user named the strategy
   (it may then accept a call it would not pick on cost); ``refused`` holds the refusals of the
@@ -69,6 +72,8 @@ class Strategy:
       instead: what to pass when it is named and cannot take a call (for the error).
       fallback_note: what the user gets when "auto" falls back to it (for the warning).
       failure: how its failure or refusal reads in a fallback warning, ``{why}`` filled in.
+      fallback: whether "auto" tries it after a strategy before it in :data:`ORDER` failed
+        while running (``materialize`` is chosen before running, by the cost model, or not).
     """
 
     name: str
@@ -78,6 +83,7 @@ class Strategy:
     instead: str
     fallback_note: str
     failure: str
+    fallback: bool = True
 
 
 def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[Assessment]]:
@@ -142,6 +148,8 @@ def execute(
     order = list(ORDER[task])
     for name in order[order.index(strategy.name) + 1 :]:
         candidate = _BY_NAME[task][name]
+        if not candidate.fallback:
+            continue
         verdict = candidate.assess(request, False, {})
         if not verdict.accepted:
             failures.append(candidate.failure.format(why=verdict.why))
@@ -226,6 +234,10 @@ def _run_hooks(request: GradsRequest, verdict: Assessment) -> Any:
 
 
 def _assess_ghost(request: ReduceRequest, forced: bool, _: dict[str, Assessment]) -> Assessment:
+    if request.call.batch_size == 0 and not forced:  # nothing to capture: materialize's
+        return Assessment(
+            "ghost", False, "empty batch", StrategyChoice("materialize", "empty batch")
+        )
     if request.call.backend.name == "jax":
         from pergrad._src.strategies import ghost_jax
 
@@ -367,6 +379,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         "Use strategy='auto'.",
         "per-example gradients, then reduced.",
         "materialising failed ({why})",
+        fallback=False,
     ),
     Strategy(
         "ghost",
@@ -400,7 +413,7 @@ STRATEGIES: tuple[Strategy, ...] = (
 
 ORDER: dict[str, tuple[str, ...]] = {
     "grads": ("vmap", "hooks", "loop"),
-    "reduce": ("materialize", "ghost", "chunked"),
+    "reduce": ("ghost", "materialize", "chunked"),
 }
 
 _BY_NAME: dict[str, dict[str, Strategy]] = {

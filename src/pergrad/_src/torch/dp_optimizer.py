@@ -20,7 +20,7 @@ from pergrad._src.dp.clipping_policies import (
     check_adaptive_noise,
     check_clipping,
 )
-from pergrad._src.dp.from_loss import clipped_sum_run
+from pergrad._src.dp.from_loss import CHEAPER, clipped_sum_run
 from pergrad._src.dp.noise import NoiseMechanism, check_mechanism
 from pergrad._src.dp.sampling import FixedSizeCheck
 from pergrad._src.errors import (
@@ -96,7 +96,9 @@ class DPOptimizer:
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
-    norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory;
+    norm layers) the ghost strategy, about 1.3-1.7 batch gradients of time and no ``B x P`` memory
+    (unless a cost model finds forming the ``B x P`` per-example gradients faster and they fit in
+    ``2**25`` numbers: a small model with few examples; ``choose_strategy`` says which);
     otherwise per-example gradients ``chunk_size`` examples at a time, which, under ``"auto"``,
     the first step that takes them says once with a :class:`pergrad.FallbackWarning` naming the
     layers and why. Short of memory: ``strategy="ghost-lowmem"`` holds no layer's records past
@@ -573,7 +575,9 @@ class DPOptimizer:
         """Once per optimizer: "auto" left the ghost strategy for the chunked one (a layer it
         cannot take, or parameters without a rule whose per-example gradients are large), or
         user-level clipping formed the per-example gradients (the ghost strategy refused)."""
-        user_formed = self._user_level and choice.strategy != "ghost"
+        user_formed = (
+            self._user_level and choice.strategy != "ghost" and CHEAPER not in choice.reason
+        )
         if not self._warned_off_ghost and self.strategy == "auto" and user_formed:
             self._warned_off_ghost = True
             warn_from_caller(

@@ -255,7 +255,7 @@ class TrainingMonitorCallback(transformers.TrainerCallback):
         finally:
             model.train(training)
             self._busy = False
-        return torch.cat(norms) if norms else torch.zeros(0), total
+        return torch.cat(norms) if norms else torch.zeros(0, device="cpu"), total
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
