@@ -11,6 +11,7 @@ computed here, in one process: the independent reference.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import subprocess
@@ -152,6 +153,15 @@ def batches(num_replicas: int = 1, rank: int = 0) -> list[list[int]]:
     return list(sampler)
 
 
+def correlated_mechanisms() -> dict[str, Any]:
+    """A banded Toeplitz mechanism (3 bands, 2 past draws kept) and a BLT (2 buffers), each
+    made for the run of STEPS steps."""
+    return {
+        "toeplitz": dp.toeplitz([1.0, 0.5, 0.25], steps=STEPS),
+        "blt": dp.blt([0.9, 0.5], [0.3, 0.1], steps=STEPS),
+    }
+
+
 def dp_optimizer(model: nn.Module, loss_fn: Any = F.cross_entropy, **options: Any) -> Any:
     return dp.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=options.pop("lr", 0.5), momentum=0.9),
@@ -237,6 +247,23 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     optimizer.step(data[0][indices], data[1][indices])
     seen["noise"] = gathered(model)
 
+    # Correlated noise over the whole run, then a step past it; rank seeds differ as above.
+    for kind, mechanism in correlated_mechanisms().items():
+        model = make_mlp()
+        shard(model, [model[0], model[2]])
+        optimizer = dp_optimizer(
+            model,
+            noise_multiplier=NOISE_MULTIPLIER,
+            generator=torch.Generator().manual_seed(NOISE_SEED + rank),
+            distributed=True,
+            noise=mechanism,
+        )
+        train(model, optimizer, data, world_size, rank)
+        seen[kind] = gathered(model)
+        seen[f"{kind} state"] = sum(b.numel() for bs in optimizer._noise_state.buffers for b in bs)
+        past_the_run = functools.partial(optimizer.step, data[0][:1], data[1][:1])
+        seen[f"{kind} past the run"] = error_of(past_the_run)
+
     # Gradient accumulation: one step's shard in two micro-batches (either may be empty).
     model = make_mlp()
     shard(model, [model[0], model[2]])
@@ -290,14 +317,6 @@ def refusals(world_size: int) -> dict[str, str]:
     model = make_mlp()
     shard(model, [model[0], model[2]])
     refused["not distributed"] = error_of(lambda: dp_optimizer(model, noise_multiplier=1.0))
-    refused["correlated noise"] = error_of(
-        lambda: dp_optimizer(
-            model,
-            noise_multiplier=1.0,
-            distributed=True,
-            noise=dp.toeplitz([1.0, 0.5], steps=STEPS),
-        )
-    )
     refused["another strategy"] = error_of(
         lambda: dp_optimizer(model, noise_multiplier=1.0, distributed=True, strategy="ghost-lowmem")
     )
@@ -438,6 +457,43 @@ def test_the_noise_is_the_single_process_noise_from_rank_0s_generator(workers):
             assert float(noise.std()) > 0.05, name
 
 
+@pytest.mark.parametrize("kind", ["toeplitz", "blt"])
+def test_correlated_noise_is_the_single_process_noise_over_the_run(workers, kind):
+    world_size, seen = workers
+    mechanism = correlated_mechanisms()[kind]
+    generator = torch.Generator().manual_seed(NOISE_SEED)
+    model = make_mlp()
+    reference = dp_optimizer(
+        model, noise_multiplier=NOISE_MULTIPLIER, generator=generator, noise=mechanism
+    )
+    train(model, reference, make_data(), 1, 0)
+    for rank in range(world_size):
+        got, quiet = seen[rank][kind], seen[rank]["zero noise"]  # (the same run, no noise)
+        assert_params_equal(got, dict(model.named_parameters()))
+        for name, value in got.items():  # the noise itself is there, far above the tolerance
+            assert float((value - quiet[name]).std()) > 0.05, name
+
+
+@pytest.mark.parametrize("kind", ["toeplitz", "blt"])
+def test_correlated_noise_refuses_a_step_past_its_run_on_every_process(workers, kind):
+    world_size, seen = workers
+    for rank in range(world_size):
+        got = seen[rank][f"{kind} past the run"]
+        assert got.startswith("PergradValueError: ") and f"run of steps={STEPS}" in got, got
+
+
+@pytest.mark.parametrize("kind", ["toeplitz", "blt"])
+def test_each_process_holds_a_1_over_n_share_of_the_correlated_noise_state(workers, kind):
+    world_size, seen = workers
+    buffers = correlated_mechanisms()[kind].num_buffers
+    sizes = [p.shape for p in make_mlp().parameters()]
+    total = buffers * sum(math.prod(s) for s in sizes)
+    largest = buffers * sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in sizes)
+    counts = [seen[rank][f"{kind} state"] for rank in range(world_size)]
+    assert sum(counts) == total
+    assert max(counts) <= largest < 1.1 * total / world_size, counts
+
+
 def test_accumulated_micro_batches_step_as_one_batch(workers):
     world_size, seen = workers
     x, y = make_data()
@@ -490,7 +546,6 @@ def test_what_is_not_supported_is_refused_by_name(workers):
     expected = {
         "not distributed": "the model is sharded with FSDP2 (its parameters are DTensors); "
         "pass distributed=True",
-        "correlated noise": "on an FSDP2 model is not supported yet",
         "autocast": "torch.autocast on an FSDP2 model is not supported yet",
         "tied": "parameter 'embed.weight' is used by layers ['embed', 'head'] (tied weights)",
         "no rule": "the trainable parameter(s) ['scale'] belong to no layer with a ghost rule",

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -208,6 +208,34 @@ class CorrelatedNoise(NoiseMechanism):
         ``owned``, the sums and the state's buffers are written in place (PyTorch); the caller
         must then keep only the state returned.
         """
+        bk = backend_of(summed, f"{type(self).__name__}.add", "summed")
+        keys = bk.split_key(rng, len(bk.leaves(summed)))
+        return self.add_draws(
+            summed,
+            lambda index, leaf: bk.standard_normal(keys[index], leaf),
+            std,
+            state,
+            owned=owned,
+        )
+
+    def add_draws(
+        self,
+        summed: Any,
+        draw: Callable[[int, Any], Any],
+        std: float,
+        state: Any,
+        *,
+        owned: bool = False,
+    ) -> tuple[Any, CorrelatedNoiseState]:
+        """:meth:`add` with this step's standard-normal draws taken from ``draw(index, leaf)``
+        (``index``: the leaf's position in flat order; returns an array shaped like ``leaf``),
+        called once per leaf in flat order, after the step count is checked.
+
+        For a caller that draws elsewhere: on an FSDP2 model (``torch/fsdp.py``) rank 0 draws
+        each parameter's whole ``z`` and scatters every process its shard, and each process
+        keeps the state of its own shards only. The recursion acts on each coordinate alone,
+        so a shard's noise is the single-process noise's rows of that shard.
+        """
         func_name = f"{type(self).__name__}.add"
         bk = backend_of(summed, func_name, "summed")
         _, leaves, treedef = bk.flatten(summed)
@@ -220,14 +248,13 @@ class CorrelatedNoise(NoiseMechanism):
                 "run it was made for only; make a mechanism for a longer run."
             )
         scale = std * self.sensitivity()
-        keys = bk.split_key(rng, len(leaves))
         seen: set[int] = set()
         noisy, next_buffers = [], []
-        for leaf, key, leaf_buffers in zip(leaves, keys, buffers):
+        for index, (leaf, leaf_buffers) in enumerate(zip(leaves, buffers)):
             in_place = owned and id(leaf) not in seen
             seen.add(id(leaf))
-            draw, leaf_buffers = self._next_draw(bk.standard_normal(key, leaf), leaf_buffers, owned)
-            noisy_leaf = _add_into(leaf, scale * draw, in_place)
+            leaf_noise, leaf_buffers = self._next_draw(draw(index, leaf), leaf_buffers, owned)
+            noisy_leaf = _add_into(leaf, scale * leaf_noise, in_place)
             if within is None:  # traced: the step count is known only when the step runs
                 noisy_leaf = bk.where(step < self._steps, noisy_leaf, math.nan)
             noisy.append(noisy_leaf)

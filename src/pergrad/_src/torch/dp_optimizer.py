@@ -90,9 +90,10 @@ class DPOptimizer:
     clipped sum is a backward pass of the clip-weighted losses, which FSDP's reduce-scatter
     sums over the processes into each one's shard; the noise, from rank 0's ``generator``, is
     the single-process noise, scattered by shard (:attr:`DPStep.strategy` ``"ghost-fsdp"``;
-    ``torch/fsdp.py``). Not yet: parameters outside every layer with a ghost rule, tied
-    weights, mixed precision (FSDP's ``MixedPrecisionPolicy`` or ``torch.autocast``),
-    correlated noise, HSDP meshes: each is refused with the reason.
+    ``torch/fsdp.py``); correlated noise keeps each process's share of its state. Not yet:
+    parameters outside every layer with a ghost rule, tied weights, mixed precision (FSDP's
+    ``MixedPrecisionPolicy`` or ``torch.autocast``), HSDP meshes: each is refused with the
+    reason.
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
@@ -601,7 +602,10 @@ class DPOptimizer:
         group = self.process_group
         std = self.gradient_noise_multiplier * self.max_norm
         if self._sharded is not None:  # each shard already sums every process's examples
-            noisy = fsdp.add_noise(clipped.sum, std, self.generator)
+            # (each process keeps the mechanism's state of its own shards)
+            noisy, self._noise_state = fsdp.add_noise(
+                clipped.sum, std, self.generator, self.noise, self._noise_state
+            )
             counts = all_reduce_totals(
                 {}, torch.as_tensor(clipped.count), torch.as_tensor(clipped.clip_fraction), group
             )

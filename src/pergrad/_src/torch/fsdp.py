@@ -21,15 +21,22 @@ Each process holds ``1/N`` of every parameter and its own examples. One step:
    shard by shard (``distribute_tensor``): the whole model's noise is the single-process
    run's from the same generator, bit for bit, and only rank 0's generator counts, as in the
    data-parallel path (``distributed.py``). Cost: one scatter of ``P`` numbers, and one
-   parameter's full-size noise held at a time.
+   parameter's full-size noise held at a time. Correlated noise (``pergrad.dp.toeplitz``,
+   ``blt``): rank 0 scatters the step's standard-normal draws ``z`` the same way, and each
+   process runs the mechanism's recursion on its own shards
+   (:meth:`~pergrad._src.dp.correlated.CorrelatedNoise.add_draws`), keeping the state of its
+   shards only (``1/N`` of it): the recursion is linear and acts on each coordinate alone
+   across the steps, so each coordinate's noise is the single-process run's.
 
 What this slice refuses (:func:`check_sharded_model`, with the reason): a parameter outside
 every layer with a ghost rule (no per-example gradients formed shard by shard yet), tied
 weights (their cross terms), FSDP mixed precision (``MixedPrecisionPolicy(param_dtype=...)``)
 and ``torch.autocast`` (the weighted backward pass rounds each example's gradient in the low
 precision, so its norm could exceed the bound the norms were clipped to), a parameter left out
-of every ``fully_shard``, a 2-D (HSDP) mesh, noise other than independent Gaussian noise,
-and a custom ``set_gradient_divide_factor``.
+of every ``fully_shard``, a 2-D (HSDP) mesh, a noise mechanism other than independent
+Gaussian noise and the correlated noise of :mod:`pergrad._src.dp.correlated` (a mechanism
+of one's own has no recursion to run shard by shard), and a custom
+``set_gradient_divide_factor``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from pergrad._src.capture.torch_quantities import layer_squared_norms
 from pergrad._src.core.module_loss import ModuleLoss
 from pergrad._src.dp.clipping import clip_statistics, clip_weights
 from pergrad._src.dp.clipping_policies import ClippingPolicy
+from pergrad._src.dp.correlated import CorrelatedNoise
 from pergrad._src.dp.from_loss import ClippedRun
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, add_independent_gaussian
 from pergrad._src.errors import PergradValueError, Unsupported
@@ -114,11 +122,11 @@ def check_sharded_model(
             f"distributed=True (or the process group of its mesh): the clipped sum and the "
             f"noise are shared across the processes."
         )
-    if not isinstance(noise, GaussianNoise):
+    if not isinstance(noise, (GaussianNoise, CorrelatedNoise)):
         raise PergradValueError(
-            f"{func_name}: noise={noise!r} on an FSDP2 model is not supported yet (its state "
-            f"would be a whole model's worth of numbers on one process); use the default "
-            f"independent Gaussian noise."
+            f"{func_name}: noise={noise!r} on an FSDP2 model is not supported: each process "
+            f"adds the noise of its own shards, which pergrad knows how to split for its own "
+            f"mechanisms only (pergrad.dp.gaussian(), toeplitz(), blt(), optimal_blt())."
         )
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     meshes = {}
@@ -407,25 +415,66 @@ def _rows(trees: list[Any], keep: torch.Tensor, batch_size: int) -> list[Any]:
     )
 
 
-def add_noise(summed: dict[str, torch.Tensor], std: float, generator: Any) -> dict[str, Any]:
-    """``summed`` (each parameter's DTensor shard of the clipped sum) plus the step's noise,
-    in place: ``std * z`` drawn on rank 0 of the parameters' mesh from its ``generator`` (the
-    other ranks' are not used), at each parameter's full shape and in ``summed``'s order (the
-    single-process order), and scattered shard by shard. Collective."""
+def add_noise(
+    summed: dict[str, torch.Tensor],
+    std: float,
+    generator: Any,
+    noise: NoiseMechanism,
+    state: Any,
+) -> tuple[dict[str, Any], Any]:
+    """``(summed plus the step's noise, in place; the mechanism's next state)``.
+
+    ``summed``: each parameter's DTensor shard of the clipped sum, in the single-process
+    order. Independent Gaussian noise: ``std * z`` drawn on rank 0 of the parameters' mesh
+    from its ``generator`` (the other ranks' are not used), at each parameter's full shape in
+    ``summed``'s order, and scattered shard by shard. Correlated noise: ``z`` drawn and
+    scattered the same way, and the mechanism's recursion run on this process's shards;
+    ``state`` (None at the first step) holds its buffers for these shards only. Collective;
+    a step past the mechanism's run is refused on every process before the noise's scatter."""
+    if isinstance(noise, CorrelatedNoise):
+        return _add_correlated(summed, std, generator, noise, state)
+    for name, shard in summed.items():
+
+        def scaled_draw(full: torch.Tensor, name: str = name) -> torch.Tensor:
+            return add_independent_gaussian({name: full}, std, generator, owned=True)[name]
+
+        shard.to_local().add_(_scattered(name, shard, scaled_draw))
+    return summed, state
+
+
+def _add_correlated(
+    summed: dict[str, Any], std: float, generator: Any, noise: CorrelatedNoise, state: Any
+) -> tuple[dict[str, Any], Any]:
+    shards = {name: shard.to_local() for name, shard in summed.items()}
+    if state is None:
+        state = noise.init(shards)
+    names = list(summed)
+
+    def draw(index: int, local: torch.Tensor) -> torch.Tensor:
+        name = names[index]
+        # (the draw is rank 0's, then scattered: the backend's draw, as add() would make it)
+        bk = backend_of(local, "DPOptimizer", "noise")
+        return _scattered(name, summed[name], lambda full: bk.standard_normal(generator, full))
+
+    _, state = noise.add_draws(shards, draw, std, state, owned=True)
+    return summed, state
+
+
+def _scattered(name: str, shard: Any, fill: Any) -> torch.Tensor:
+    """This process's shard (a local tensor shaped like ``shard``'s) of ``fill(zeros)``,
+    computed on rank 0 of the mesh at the parameter's full shape and scattered."""
     from torch.distributed.tensor import distribute_tensor
 
-    for name, shard in summed.items():
-        mesh, local = shard.device_mesh, shard.to_local()
-        full = torch.zeros(shard.shape, dtype=shard.dtype, device=local.device)
-        if mesh.get_local_rank() == 0:  # distribute_tensor scatters mesh rank 0's values
-            full = add_independent_gaussian({name: full}, std, generator, owned=True)[name]
-        noise = distribute_tensor(full, mesh, shard.placements).to_local()
-        del full
-        if noise.shape != local.shape:
-            raise PergradValueError(
-                f"DPOptimizer: parameter {name!r}'s shard has shape {tuple(local.shape)} but "
-                f"distribute_tensor gives its noise the shape {tuple(noise.shape)}; this FSDP "
-                f"layout is not supported yet."
-            )
-        local.add_(noise)
-    return summed
+    mesh, local = shard.device_mesh, shard.to_local()
+    full = torch.zeros(shard.shape, dtype=shard.dtype, device=local.device)
+    if mesh.get_local_rank() == 0:  # distribute_tensor scatters mesh rank 0's values
+        full = fill(full)
+    values = distribute_tensor(full, mesh, shard.placements).to_local()
+    del full
+    if values.shape != local.shape:
+        raise PergradValueError(
+            f"DPOptimizer: parameter {name!r}'s shard has shape {tuple(local.shape)} but "
+            f"distribute_tensor gives its noise the shape {tuple(values.shape)}; this FSDP "
+            f"layout is not supported yet."
+        )
+    return values
