@@ -216,8 +216,9 @@ def _assess_hooks(request: GradsRequest, forced: bool, _: dict[str, Assessment])
             "hooks",
             False,
             f"layer hooks take fn only when it is a pergrad.module_loss(model, loss_fn) loss "
-            f"itself; this fn is a {type(request.spec.fn).__name__} (a function of its own, or "
-            f"a module_loss called from inside another function)",
+            f"itself; this fn is a {type(request.spec.fn).__name__} on "
+            f"{request.call.backend.name} (a function of its own, or a module_loss called from "
+            f"inside another function)",
         )
     from pergrad._src.strategies import hooks_torch
 
