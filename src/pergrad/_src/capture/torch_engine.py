@@ -139,8 +139,13 @@ def capturing(
                 other.register_hook(lambda grad: setattr(record, "unread_grad", True))
         return expanded
 
+    # Under torch.compile, dynamo cannot put a tensor hook that stores into a record in its
+    # graph (an unsafe side effect): it breaks the graph at each hooked layer either way. Not
+    # tracing the hook makes that break cheap (no failed attempt, no recompilation of the hook
+    # for each layer's name) and leaves the hook to run as it does eagerly.
+    untraced = torch.compiler.disable(hook)
     handles = [
-        module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
+        module.register_forward_hook(functools.partial(untraced, name), with_kwargs=True)
         for name, module in modules.items()
     ]
     try:
