@@ -142,6 +142,28 @@ def test_dp_finetune_gpt2_quick_run_learns_within_its_epsilon():
     assert "pergrad strategy: ghost" in result.stdout  # the tied embedding / LM head stays fast
 
 
+@pytest.mark.slow(
+    reason="two epochs of transformers.Trainer on digits in a subprocess: about 15 s on 2 CPU cores"
+)
+def test_monitor_flipped_labels_quick_run_logs_the_curves_and_saves_the_plot(tmp_path):
+    pytest.importorskip("sklearn", reason="the example uses scikit-learn's bundled digits")
+    pytest.importorskip("transformers", reason="the example trains with transformers.Trainer")
+    pytest.importorskip("matplotlib", reason="the example saves the training curves")
+    image = tmp_path / "curves.png"
+    out = run_example_args("monitor_flipped_labels.py", "--quick", "--out", str(image))
+    rows = [
+        [float(cell) for cell in line.split("|")[1:-1]]
+        for line in out.splitlines()
+        if line.startswith("| ") and "---" not in line and "epoch" not in line
+    ]
+    assert [row[0] for row in rows] == [1, 2]
+    for _, _, q10, q50, q90, clipped, noise_scale in rows:
+        assert 0 < q10 <= q50 <= q90 and 0 <= clipped <= 1
+        assert 0 < noise_scale < float("inf")  # the running estimate is a number, never inf
+    assert rows[1][3] < rows[0][3]  # the median norm falls as the model fits
+    assert image.stat().st_size > 10_000
+
+
 def load_example(name: str):
     """An example script as a module, for its functions (its ``main`` is not run)."""
     import importlib.util
