@@ -134,7 +134,7 @@ def norm_route(site: Site) -> str:
         f"certified: each squared norm with its rounding bound, added before clipping; an "
         f"example whose bound exceeds {cost.ROUNDING_TOLERANCE:g} of it computed again in {again}"
     )
-    fast = cost.fast_gram_suffices(positions, (k, f), _unit(jnp.float32))
+    fast = cost.fast_gram_suffices(positions, (k, f), unit_roundoff(jnp.float32))
     if gram_cheaper and (fast or x64):
         precision = "float32" if fast else "float64"
         return f"Gram matrices in {precision} ({positions} x {positions} per example), {certified}"
@@ -225,7 +225,7 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
         if gram:
             return _gram(a.astype(jnp.float64), d.astype(jnp.float64)).estimate.astype(a.dtype)
         return _formed(a, d).estimate
-    fast_gram = gram and cost.fast_gram_suffices(positions, (k, f), _unit(a.dtype))
+    fast_gram = gram and cost.fast_gram_suffices(positions, (k, f), unit_roundoff(a.dtype))
     if gram and not fast_gram and x64:
         return _in_dtype(_gram(a.astype(jnp.float64), d.astype(jnp.float64)), a.dtype)
     found = _gram(a, d) if fast_gram else _formed(a, d)
@@ -237,7 +237,7 @@ def _dense_squared_norms(a: Any, d: Any) -> Any:
     return found
 
 
-def _unit(dtype: Any) -> float:
+def unit_roundoff(dtype: Any) -> float:
     """The unit roundoff of ``dtype``: half its machine epsilon."""
     return float(jnp.finfo(dtype).eps) / 2
 
@@ -250,7 +250,7 @@ def _in_dtype(found: cost.Certified, dtype: Any) -> cost.Certified:
     """``found`` in ``dtype``, its bound raised to cover the conversion's rounding."""
     if found.estimate.dtype == dtype:
         return found
-    unit = _unit(dtype)
+    unit = unit_roundoff(dtype)
     bound = (found.bound + unit * (found.estimate + found.bound)) * (1 + 2 * unit)
     return cost.Certified(found.estimate.astype(dtype), bound.astype(dtype))
 
@@ -283,7 +283,7 @@ def _gram(a: Any, d: Any) -> cost.Certified:
     ``torch_layers._gram_in`` (one block)."""
     _, positions, k = a.shape
     f = d.shape[2]
-    unit = _unit(a.dtype)
+    unit = unit_roundoff(a.dtype)
     norms_a, norms_d = jnp.linalg.norm(a, axis=2), jnp.linalg.norm(d, axis=2)
     gram_a = jnp.einsum("btk,bsk->bts", a, a, precision=_EXACT)
     gram_d = jnp.einsum("btf,bsf->bts", d, d, precision=_EXACT)
@@ -308,12 +308,18 @@ def _formed(a: Any, d: Any) -> cost.Certified:
     as ``torch_layers._formed_in``: each entry within ``theta sum_t |a_tk| |d_tf|``."""
     _, positions, k = a.shape
     f = d.shape[2]
-    unit = _unit(a.dtype)
+    unit = unit_roundoff(a.dtype)
     formed = jnp.einsum("btk,btf->bkf", a, d, precision=_EXACT)
     squared = _nested_sum(formed**2)
     terms = (jnp.linalg.norm(a, axis=2) * jnp.linalg.norm(d, axis=2)).sum(axis=1)
     error = cost.product_error(positions, unit) * terms
-    depth = k + f + positions
+    return certified_sum_of_squares(squared, error, k + f + positions, unit)
+
+
+def certified_sum_of_squares(squared: Any, error: Any, depth: int, unit: float) -> cost.Certified:
+    """As ``torch_norms.certified_sum_of_squares``: the certified squared norm of a computed
+    vector within ``error`` (Euclidean) of the exact one, its squares summed through at most
+    ``depth`` additions in unit roundoff ``unit``."""
     relative = cost.gamma(depth + 1, unit)
     upper = jnp.sqrt(squared * (1 + 2 * relative)) + error
     own = cost.gamma(2 * depth + 16, unit)

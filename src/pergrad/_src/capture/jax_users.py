@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pergrad._src.capture import cost
+from pergrad._src.capture.jax_contractions import certified_sum_of_squares, unit_roundoff
 from pergrad._src.capture.quantities import Lookups, Tokens
 
 _EXACT = jax.lax.Precision.HIGHEST
@@ -62,7 +63,7 @@ class UserGroups(NamedTuple):
     def _formed(self, a: Any, d: Any) -> cost.Certified:
         batch, positions, k = a.shape
         f = d.shape[2]
-        unit = _unit(a.dtype)
+        unit = unit_roundoff(a.dtype)
         formed = jnp.einsum("btk,btf->bkf", a, d, precision=_EXACT)
         summed = jax.ops.segment_sum(formed, self.row, num_segments=batch)
         squared = jax.lax.optimization_barrier((summed**2).sum(axis=2)).sum(axis=1)
@@ -70,12 +71,12 @@ class UserGroups(NamedTuple):
         user_terms = jax.ops.segment_sum(terms, self.row, num_segments=batch)
         # each entry: T products summed per example, then at most B examples per user
         error = cost.product_error(positions + batch, unit) * user_terms
-        return _sum_of_squares(squared, error, k + f + positions + batch, unit)
+        return certified_sum_of_squares(squared, error, k + f + positions + batch, unit)
 
     def _gram(self, a: Any, d: Any) -> cost.Certified:
         batch, positions, k = a.shape
         f = d.shape[2]
-        unit = _unit(a.dtype)
+        unit = unit_roundoff(a.dtype)
         count = batch * positions
         flat_a, flat_d = a.reshape(count, k), d.reshape(count, f)
         user = jnp.repeat(self.row, positions)
@@ -119,23 +120,9 @@ class UserGroups(NamedTuple):
         owner = jnp.full(count, batch, owner_sorted.dtype).at[segment].set(owner_sorted)
         sums = jax.ops.segment_sum(d.reshape(count, width)[order], segment, num_segments=count)
         squared = jax.ops.segment_sum((sums**2).sum(axis=1), owner, num_segments=batch)
-        unit = _unit(d.dtype)
+        unit = unit_roundoff(d.dtype)
         magnitude = jax.ops.segment_sum(
             jnp.linalg.norm(d.reshape(count, width), axis=1), owner_of, num_segments=batch
         )
         error = cost.gamma(count, unit) * magnitude
-        return _sum_of_squares(squared, error, width + count, unit)
-
-
-def _unit(dtype: Any) -> float:
-    return float(jnp.finfo(dtype).eps) / 2
-
-
-def _sum_of_squares(squared: Any, error: Any, depth: int, unit: float) -> cost.Certified:
-    """As ``torch_norms.certified_sum_of_squares``: a computed vector within ``error`` of the
-    exact one, its squares summed through at most ``depth`` additions."""
-    relative = cost.gamma(depth + 1, unit)
-    upper = jnp.sqrt(squared * (1 + 2 * relative)) + error
-    own = cost.gamma(2 * depth + 16, unit)
-    bound = jnp.maximum(upper * upper - squared, 0) * (1 + 2 * own) + 4 * unit * squared
-    return cost.Certified(squared, bound)
+        return certified_sum_of_squares(squared, error, width + count, unit)

@@ -6,6 +6,7 @@ each strategy come from ``clipping.py``, and the noise from the run's mechanism
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -179,13 +180,7 @@ def clipped_sum_run(
     warn_if_mask_forgotten(func_name, call.batch_size, mask)
     ids, bounds = _group_ids(spec, call, max_norm) if per_group else (None, [max_norm])
 
-    def group_norms(squared: list[Any]) -> list[Any]:
-        if ids is None:
-            return [global_norms(squared)]
-        return [
-            global_norms([s for s, g in zip(squared, ids) if g == group])
-            for group in range(len(bounds))
-        ]
+    group_norms = functools.partial(_group_norms, ids, len(bounds))
 
     def weights_from(squared: list[Any]) -> Any:
         # 0 for padding and for an example whose gradient is not finite: the strategies zero
@@ -286,13 +281,7 @@ def _user_level_ghost(
     unit = bk.where(bk.isfinite(probe), probe * 0 + 1, 1.0)
     groups = user_slots(bk, user_ids, mask, unit)
 
-    def group_norms(squared: list[Any]) -> list[Any]:
-        if ids is None:
-            return [global_norms(squared)]
-        return [
-            global_norms([s for s, g in zip(squared, ids) if g == group])
-            for group in range(len(bounds))
-        ]
+    group_norms = functools.partial(_group_norms, ids, len(bounds))
 
     def weights_from(squared: list[Any]) -> Any:
         # each user's clip factor, in its row, handed to each of its examples (padding: 0)
@@ -338,6 +327,15 @@ def check_user_level_strategy(func_name: str, strategy: Any) -> None:
         f"{func_name}: strategy must be one of ['auto', 'ghost', 'materialize'] with "
         f"user_ids=; got {strategy!r}."
     )
+
+
+def _group_norms(ids: list[int] | None, num_groups: int, squared: list[Any]) -> list[Any]:
+    """Each clipping group's ``(B,)`` norms from the leaves' squared norms (one group: all)."""
+    if ids is None:
+        return [global_norms(squared)]
+    return [
+        global_norms([s for s, g in zip(squared, ids) if g == group]) for group in range(num_groups)
+    ]
 
 
 def _group_ids(spec: Spec, call: Call, max_norm: Any) -> tuple[list[int], list[Any]]:
