@@ -57,7 +57,39 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+# The device subset (``-m device``): the modules whose torch and JAX arrays follow the device of
+# the run, chosen to cover the capture kernel, the norm routes, the DP step and attribution in
+# about three minutes on a GPU machine (scripts/gpu_check.sh runs them there).
+DEVICE_SUBSET = {
+    "test_device_hygiene.py",
+    "test_norms.py",
+    "test_ghost.py",
+    "test_ghost_lowmem.py",
+    "test_certified_norms.py",
+    "test_norm_routes.py",
+    "test_cancellation.py",
+    "test_tied_ghost.py",
+    "test_dp.py",
+    "test_dp_noise.py",
+    "test_dp_mixed_precision.py",
+    "test_dp_user_level_ghost.py",
+    "test_dp_token_losses.py",
+    "test_layouts_torch.py",
+    "test_attention_rule.py",
+    "test_bare_parameters.py",
+    "test_hf_transformers.py",
+    "test_compile.py",
+    "test_auto_choice.py",
+    "test_ghost_jax.py",
+    "test_influence_exact.py",
+    "test_metagradient.py",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in DEVICE_SUBSET:
+            item.add_marker(pytest.mark.device)
     if torch_device_name() == "cpu":
         return
     for item in items:
