@@ -92,8 +92,18 @@ def build(method: str, workload: Workload, config: Config, device: torch.device,
 
 
 def step_memory_mib(step: Step, device: torch.device) -> float:
+    """The step's peak above what is allocated once the previous step's gradients are gone:
+    ``.grad`` and Opacus's per-sample ``grad_sample`` / ``summed_grad`` are dropped first, so
+    that every method's baseline is its model, optimizer state and batch alone (the first GPU
+    run measured above the previous step's leftovers: Opacus's fell below the non-private
+    step's)."""
     if device.type != "cuda":
         return math.nan
+    for param in step.model.parameters():
+        param.grad = None
+        for leftover in ("grad_sample", "summed_grad"):
+            if getattr(param, leftover, None) is not None:
+                setattr(param, leftover, None)
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

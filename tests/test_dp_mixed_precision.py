@@ -58,6 +58,7 @@ def batch(size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 def dp_step(model: nn.Module, x: Any, y: Any, max_norm: float, **kwargs: Any) -> Any:
     """One zero-noise step with SGD(lr=1): returns (clipped sum, DPStep)."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    user_ids = kwargs.pop("user_ids", None)
     optimizer = pergrad.dp.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=1.0),
         model,
@@ -67,7 +68,7 @@ def dp_step(model: nn.Module, x: Any, y: Any, max_norm: float, **kwargs: Any) ->
         expected_batch_size=1,
         **kwargs,
     )
-    stats = optimizer.step(x, y)
+    stats = optimizer.step(x, y) if user_ids is None else optimizer.step(x, y, user_ids=user_ids)
     moved = {n: before[n] - p.detach() for n, p in model.named_parameters()}
     return moved, stats
 
@@ -229,3 +230,119 @@ def test_scaler_must_be_a_grad_scaler() -> None:
             distributed=True,
             **kwargs,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# TensorFloat-32 (issue 38: seen on an H100). A TF32 product rounds its inputs to 10 bits; the
+# certified norms assume float32's rounding, so pergrad's own products run with TF32 off while
+# the user's forward and backward keep the user's setting. The flags are read by CUDA kernels
+# only, so on the CPU the test reads which setting each product was issued under.
+
+TF32_FLAGS = ("matmul", "conv")
+
+
+def tf32_flags() -> tuple[str, str]:
+    return (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+
+
+def set_tf32_flags(values: tuple[str, str]) -> None:
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = values
+
+
+class ProductFlags(torch.overrides.TorchFunctionMode):
+    """Records, for every matrix product issued, its function's name and the matmul flag."""
+
+    PRODUCTS = ("linear", "matmul", "mm", "bmm", "einsum", "tensordot", "addmm", "__matmul__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.PRODUCTS:
+            self.seen.append((name, torch.backends.cuda.matmul.fp32_precision))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def user_tf32():
+    """The user has TF32 on (``torch.backends.cuda.matmul.fp32_precision = "tf32"``)."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no per-backend fp32_precision flags")
+    before = tf32_flags()
+    set_tf32_flags(("tf32", "tf32"))
+    yield
+    set_tf32_flags(before)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"strategy": "ghost"}, {"strategy": "ghost-lowmem"}, {"strategy": "ghost", "users": True}],
+    ids=["ghost", "ghost-lowmem", "user-level ghost"],
+)
+def test_pergrads_products_run_without_tf32_and_the_users_keep_it(user_tf32, kwargs) -> None:
+    model = mlp()
+    x, y = batch()
+    if kwargs.pop("users", False):
+        kwargs["user_ids"] = torch.tensor([0, 0, 1, 2, 2, 2])
+    mode = ProductFlags()
+    with mode:
+        dp_step(model, x, y, max_norm=0.5, **kwargs)
+    assert tf32_flags() == ("tf32", "tf32")  # the user's setting, as it was
+    forward = [flag for name, flag in mode.seen if name == "linear"]
+    own = [flag for name, flag in mode.seen if name != "linear"]
+    assert forward and set(forward) == {"tf32"}, mode.seen
+    # (the low-memory mode's products run in autograd's hooks, which the mode does not see)
+    assert (own or kwargs["strategy"] == "ghost-lowmem") and set(own) <= {"ieee"}, mode.seen
+
+
+@pytest.mark.parametrize("legacy", ["set_float32_matmul_precision", "allow_tf32", "none"])
+def test_full_float32_restores_either_api_and_survives_an_error(legacy: str) -> None:
+    from pergrad._src.capture.rules import full_float32
+
+    def legacy_reads() -> list[Any]:
+        reads = []
+        for read in (
+            torch.get_float32_matmul_precision,
+            lambda: torch.backends.cuda.matmul.allow_tf32,
+            lambda: torch.backends.cudnn.allow_tf32,
+        ):
+            try:
+                reads.append(read())
+            except RuntimeError as error:  # torch's own refusal of mixed APIs, before too
+                reads.append(type(error).__name__)
+        return reads
+
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    try:
+        if legacy == "set_float32_matmul_precision":
+            torch.set_float32_matmul_precision("high")
+        elif legacy == "allow_tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = False
+        before = legacy_reads(), tf32_flags()
+        with pytest.raises(KeyError), full_float32():
+            assert tf32_flags() == ("ieee", "ieee")
+            raise KeyError("inside")
+        assert (legacy_reads(), tf32_flags()) == before
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_the_bounds_read_the_precision_from_the_new_flags_without_raising(user_tf32) -> None:
+    """torch >= 2.9 raises on the old getter once the new flags were set; the bounds' reading
+    of the precision a product takes uses the new flags (and is 0 inside pergrad's guard)."""
+    from pergrad._src.capture.rules import full_float32
+    from pergrad._src.capture.torch_norms import matmul_input_unit
+
+    assert matmul_input_unit("cuda") == 2.0**-11
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        assert matmul_input_unit("cpu") == 2.0**-8
+        with full_float32():
+            assert matmul_input_unit("cuda") == matmul_input_unit("cpu") == 0.0
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before

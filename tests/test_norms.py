@@ -111,7 +111,8 @@ def _torch(x):
 def test_noise_scale_ratio(fw):
     grads = to_fw(fw, random_grads())
     result = norms.noise_scale(grads)
-    assert result.b_simple == pytest.approx(result.trace_sigma / result.grad_norm_sq)
+    # float32 sums in another order on a GPU (issue 38: off by more than 1e-6 on an H100)
+    assert result.b_simple == pytest.approx(result.trace_sigma / result.grad_norm_sq, rel=1e-5)
     assert result.batch_size == 12
 
 

@@ -246,16 +246,76 @@ def _contract(weights: Any, grads: Any) -> Any:
 
 @contextlib.contextmanager
 def in_reduction_precision(device: Any) -> Iterator[None]:
-    """Autocast off on ``device`` for the arithmetic inside: pergrad's own products of
-    records, norms and clip factors run in the dtype of their operands, not autocast's."""
+    """Autocast and TF32 off for the arithmetic inside: pergrad's own products of records,
+    norms and clip factors run in the dtype of their operands, not autocast's, and float32
+    products in float32, not TensorFloat-32 (:func:`full_float32`)."""
     import torch
 
     device_type = torch.device(device).type
-    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+    with full_float32():
+        if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+            yield
+            return
+        with torch.autocast(device_type, enabled=False):
+            yield
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """float32 matrix products and convolutions in float32 inside, not TensorFloat-32; the
+    user's settings as they were after.
+
+    On a GPU a TF32 product rounds its inputs to 10 bits (relative error ``2**-11``): set by
+    ``torch.set_float32_matmul_precision("high")``, ``torch.backends.cuda.matmul.allow_tf32``,
+    and cuDNN's convolutions by default. The certified norms' bounds assume float32's
+    ``2**-24``; under TF32 a norm could be ``~1e-3`` too small and its example exceed the clip
+    bound. Set and restored through torch's per-backend ``fp32_precision`` flags, which keep
+    either API the user set (reading the old API's flags after the new one's were written
+    raises in torch >= 2.9). oneDNN's products on a CPU have the same flags (``"bf16"`` after
+    ``torch.set_float32_matmul_precision("medium")``); setting them costs nothing."""
+    flags = fp32_precision_flags()
+    if not flags:  # torch < 2.9: the old API alone
+        with _without_tf32_flags():
+            yield
+        return
+    before = [flag.fp32_precision for flag in flags]
+    if all(value == "ieee" for value in before):
         yield
         return
-    with torch.autocast(device_type, enabled=False):
+    for flag in flags:
+        flag.fp32_precision = "ieee"
+    try:
         yield
+    finally:
+        for flag, value in zip(flags, before):
+            flag.fp32_precision = value
+
+
+def fp32_precision_flags() -> list[Any]:
+    """torch's per-backend ``fp32_precision`` flags of float32 products (cuBLAS, cuDNN's
+    convolutions, oneDNN's products and convolutions on a CPU); empty before torch 2.9."""
+    import torch
+
+    backends = torch.backends
+    owners = [getattr(backends.cuda, "matmul", None), getattr(backends.cudnn, "conv", None)]
+    mkldnn = getattr(backends, "mkldnn", None)
+    owners += [getattr(mkldnn, "matmul", None), getattr(mkldnn, "conv", None)]
+    return [flag for flag in owners if flag is not None and hasattr(flag, "fp32_precision")]
+
+
+@contextlib.contextmanager
+def _without_tf32_flags() -> Iterator[None]:
+    import torch
+
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [flag.allow_tf32 for flag in flags]
+    for flag in flags:
+        flag.allow_tf32 = False
+    try:
+        yield
+    finally:
+        for flag, value in zip(flags, before):
+            flag.allow_tf32 = value
 
 
 def _widen(x: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pergrad._src.capture.rules import full_float32
 from pergrad._src.errors import Unsupported
 
 
@@ -150,6 +151,7 @@ class RowSummary:
     dtype: torch.dtype
 
 
+@full_float32()  # TF32 would round the summaries past the checks' float32 tolerances
 def summarize_rows(grad: torch.Tensor) -> RowSummary:
     """Each row's norm, sum, and inner product with a fixed ramp (``-1 .. 1`` over the row),
     ``(B, 3)``, read :data:`ROW_BLOCK_NUMBERS` numbers at a time.
@@ -369,6 +371,7 @@ def _rows_per_block(x: torch.Tensor) -> int:
     return max(1, ROW_BLOCK_NUMBERS // max(1, x[0].numel()))
 
 
+@full_float32()
 def rows_match(
     got: torch.Tensor,
     want: torch.Tensor,

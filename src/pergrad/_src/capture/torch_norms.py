@@ -70,13 +70,23 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 def matmul_input_unit(device: Any) -> float:
     """How much PyTorch's matrix products of float32 tensors round their inputs on ``device``
     under the current settings: 0 (IEEE float32), ``2**-11`` (TF32:
-    ``torch.backends.cuda.matmul.allow_tf32``, or ``torch.set_float32_matmul_precision("high")``)
-    or ``2**-8`` (``"medium"``: bfloat16)."""
-    setting = torch.get_float32_matmul_precision()
-    if setting == "medium":
-        return 2.0**-8
-    tf32 = torch.device(device).type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
-    return 2.0**-11 if tf32 or setting == "high" else 0.0
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, ``allow_tf32``, or
+    ``torch.set_float32_matmul_precision("high")``) or ``2**-8`` (bfloat16: ``"medium"`` on a
+    CPU). pergrad's own products run with these off (``rules.full_float32``), so inside them
+    this is 0; outside, it prices a route in the precision a product would take."""
+    cuda = torch.device(device).type == "cuda"
+    backends = torch.backends
+    backend = backends.cuda.matmul if cuda else getattr(backends.mkldnn, "matmul", None)
+    setting = getattr(backend, "fp32_precision", None)
+    if setting is None:  # torch < 2.9: the old API (whose getter raises once both were used)
+        legacy = torch.get_float32_matmul_precision()
+        if legacy == "medium":
+            return 2.0**-8
+        tf32 = cuda and bool(backends.cuda.matmul.allow_tf32)
+        return 2.0**-11 if tf32 or legacy == "high" else 0.0
+    if setting == "none":  # unset: the global default's
+        setting = getattr(backends, "fp32_precision", "none")
+    return {"bf16": 2.0**-8, "tf32": 2.0**-11}.get(setting, 0.0)
 
 
 def _input_unit(x: torch.Tensor) -> float:

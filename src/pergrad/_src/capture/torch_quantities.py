@@ -30,6 +30,7 @@ from torch import nn
 from pergrad._src.capture import cost, torch_generic, torch_position_bias, torch_tied
 from pergrad._src.capture.quantities import Formed
 from pergrad._src.capture.rules import (
+    full_float32,
     in_reduction_precision,
     is_additive,
     layer_parameters,
@@ -64,6 +65,7 @@ class LeafSquaredNorms(list):
         self.bounds = bounds
 
 
+@full_float32()  # TF32 off: the certified bounds assume float32's rounding
 def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> LeafSquaredNorms:
     """Each leaf's ``(B,)`` per-example squared norms (and their rounding bounds,
     :class:`LeafSquaredNorms`): the layers' from their records (those in ``computed``, layer
@@ -277,6 +279,7 @@ def _accumulate(session: CapturedPass, sums: list[Any], name: str, value: torch.
     sums[k] = sums[k].add_(value) if tied else value
 
 
+@full_float32()  # TF32 off: the certified bounds assume float32's rounding
 def weighted_sums(
     session: CapturedPass, groups: WeightGroups, clean: CleanFn | None
 ) -> list[torch.Tensor]:

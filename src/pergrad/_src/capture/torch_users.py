@@ -30,6 +30,7 @@ import torch
 
 from pergrad._src.capture import cost, torch_quantities
 from pergrad._src.capture.quantities import USER_SQUARED_NORMS, Lookups, Tokens
+from pergrad._src.capture.rules import full_float32
 from pergrad._src.capture.torch_norms import (
     certified_sum_of_squares,
     magnitudes,
@@ -156,6 +157,7 @@ def _float_dtype(x: torch.Tensor) -> Any:
     return x.dtype if x.is_floating_point() else torch.get_default_dtype()
 
 
+@full_float32()  # TF32 off: the certified bounds assume float32's rounding
 def user_squared_norms(session: CapturedPass, users: UserRows) -> Any:
     """Each differentiated leaf's ``(B,)`` squared norms of the users' summed gradients, in the
     row layout (``torch_quantities.LeafSquaredNorms``, with the routes' rounding bounds): from
