@@ -100,6 +100,50 @@ many_p, _ = jax.jit(train, out_shardings=(like, None))(sharded, tx.init(sharded)
 out["train_diff"] = diff(many_p, one_p)
 out["train_moved"] = diff(one_p, params)
 out["train_specs"] = specs(many_p)
+
+# user-level DP on the sharded path: users' ids traced, the batch sharded with them (issue 37)
+U = jnp.asarray(rng.integers(0, 5, B), jnp.int32)
+Us = pergrad.dp.shard_batch(U, mesh)
+for noise in (0.0, 1.0):
+    def user_step(p, ids, y, users, rng):
+        return pergrad.dp.private_grad_of(loss, p, ids, y, max_norm=0.2, noise_multiplier=noise,
+                                          rng=rng, expected_batch_size=5, user_ids=users,
+                                          strategy="ghost")
+    one, one_stats = jax.jit(user_step)(params, X, Y, U, key)
+    many, many_stats = jax.jit(user_step)(sharded, Xs, Ys, Us, key)
+    out[f"user_noise{noise:g}_diff"] = diff(many, one)
+    out[f"user_noise{noise:g}_size"] = max(float(np.max(np.abs(np.asarray(x))))
+                                           for x in one.values())
+    out[f"user_noise{noise:g}_specs"] = specs(many)
+    out[f"user_noise{noise:g}_clip_fraction"] = float(many_stats.clip_fraction)
+# each user's summed gradient, clipped, in numpy float64: the reference of the user-level sum
+users = np.asarray(U)
+per_user = {k: np.stack([np.asarray(grads[k], np.float64)[users == u].sum(0)
+                         for u in np.unique(users)]) for k in grads}
+flat_u = np.concatenate([per_user[k].reshape(len(np.unique(users)), -1) for k in sorted(grads)], 1)
+user_factors = np.minimum(1.0, 0.2 / np.linalg.norm(flat_u, axis=1))
+user_clipped = jax.jit(lambda p, ids, y, u: pergrad.dp.clipped_sum_of(
+    loss, p, ids, y, max_norm=0.2, strategy="ghost", user_ids=u))(sharded, Xs, Ys, Us)
+out["user_clipped_sum_vs_loop"] = diff(
+    {k: user_clipped.sum[k] for k in sorted(grads)},
+    {k: np.tensordot(user_factors, per_user[k], 1) for k in sorted(grads)})
+
+# correlated noise (a banded Toeplitz mechanism) on the sharded path: three steps, the state
+# threaded through, sharded like the parameters
+mech = pergrad.dp.toeplitz([1.0, -0.4, 0.1], steps=3)
+def noisy_step(p, ids, y, rng, state):
+    return pergrad.dp.private_grad_of(loss, p, ids, y, max_norm=0.2, noise_multiplier=1.0,
+                                      rng=rng, expected_batch_size=B, noise=mech,
+                                      noise_state=state)
+states = {"one": mech.init(params), "many": mech.init(sharded)}
+diffs = []
+for step_key in jax.random.split(key, 3):
+    one, _, states["one"] = jax.jit(noisy_step)(params, X, Y, step_key, states["one"])
+    many, _, states["many"] = jax.jit(noisy_step)(sharded, Xs, Ys, step_key, states["many"])
+    diffs.append(diff(many, one))
+out["correlated_diffs"] = diffs
+out["correlated_size"] = max(float(np.max(np.abs(np.asarray(x)))) for x in one.values())
+out["correlated_specs"] = specs(many)
 print("RESULTS " + json.dumps(out))
 """
 
@@ -181,3 +225,20 @@ def test_shard_params_refuses_a_bad_mesh_or_axis():
     auto = Mesh(np.array(jax.devices()[:1]), ("model",), axis_types=(AxisType.Auto,))
     placed = pergrad.dp.shard_params(params, auto)  # one device: trivially split
     np.testing.assert_array_equal(np.asarray(placed["w"]), params["w"])
+
+
+@pytest.mark.parametrize("noise", ["0", "1"])
+def test_user_level_dp_on_sharded_parameters_equals_one_device(results, noise):
+    assert results[f"user_noise{noise}_diff"] < 1e-5 * max(1.0, results[f"user_noise{noise}_size"])
+    assert results[f"user_noise{noise}_clip_fraction"] > 0.0  # the bound is active
+    assert_sharded_like_params(results[f"user_noise{noise}_specs"], results["param_specs"])
+
+
+def test_the_user_level_sum_on_sharded_parameters_is_each_users_clipped_gradient(results):
+    assert results["user_clipped_sum_vs_loop"] < 1e-5
+
+
+def test_correlated_noise_on_sharded_parameters_equals_one_device_step_by_step(results):
+    assert len(results["correlated_diffs"]) == 3
+    assert max(results["correlated_diffs"]) < 1e-5 * max(1.0, results["correlated_size"])
+    assert_sharded_like_params(results["correlated_specs"], results["param_specs"])
