@@ -301,6 +301,32 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
     assert (tmp_path / "dp_transformers.png").stat().st_size > 0
 
 
+@pytest.mark.slow(reason="a subprocess profile of tiny GPT-2 steps: about 10 s on 2 CPU cores")
+def test_dp_step_profile_quick_run(tmp_path) -> None:
+    """benchmarks/dp_step_profile.py on the tiny GPT-2: a row per method, pergrad's DP step
+    with its two host syncs (the norms' flags, the step's statistics) against more before,
+    none in the non-private step, and pergrad's sync sites listed."""
+    pytest.importorskip("transformers", reason="the profile runs Hugging Face models")
+    pytest.importorskip("opacus", reason="the profile compares with Opacus")
+    out = tmp_path / "dp_step_profile.md"
+    command = [sys.executable, "benchmarks/dp_step_profile.py", "--configs", "tiny"]
+    command += ["--models", "GPT-2", "--legacy-syncs", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# Host syncs and aten ops of one DP step (CPU)")
+    rows = {
+        cells[2]: cells
+        for line in text.splitlines()
+        if line.startswith("| tiny ")
+        for cells in [[c.strip() for c in line.split("|")[1:-1]]]
+    }
+    assert set(rows) == {"non-private", "pergrad DP (before)", "pergrad DP", "Opacus hooks"}
+    syncs = {method: int(cells[6]) for method, cells in rows.items()}
+    assert syncs["non-private"] == 0
+    assert syncs["pergrad DP"] == 2 < syncs["pergrad DP (before)"]
+    assert "at pergrad/_src/torch/dp_step.py" in text
+
+
 @pytest.mark.slow(
     reason="a subprocess quick run that compiles JAX transformer steps: about 35 s on 2 CPU cores"
 )
@@ -387,6 +413,26 @@ def test_fsdp_memory_benchmark_quick_run(tmp_path) -> None:
     differences = dict(re.findall(r"(pergrad DP|Opacus ghost) (\d\.\de[+-]\d+)", agreement))
     assert float(differences["pergrad DP"]) < 1e-4, agreement
     assert "Opacus ghost did not run" in agreement or float(differences["Opacus ghost"]) < 1e-3
+
+
+@pytest.mark.slow  # compiles four sharded programs (about 25 s on 2 cores)
+def test_fsdp_memory_jax_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/fsdp_memory_jax.py --quick: both steps on 1 and 2 devices, the parameters per
+    device halved on 2, XLA's per-device account in every row."""
+    pytest.importorskip("flax", reason="the JAX FSDP benchmark runs a flax model")
+    out = tmp_path / "fsdp_memory_jax.md"
+    command = [sys.executable, "-m", "benchmarks.fsdp_memory_jax", "--quick", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    rows = {}
+    for line in out.read_text().splitlines()[2:]:
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if cells and cells[0].isdigit():
+            rows[(cells[0], cells[1])] = [float(c) for c in cells[2:]]
+    assert set(rows) == {(n, step) for n in ("1", "2") for step in ("non-private", "pergrad DP")}
+    for step in ("non-private", "pergrad DP"):
+        one, two = rows[("1", step)][0], rows[("2", step)][0]
+        assert 0.4 <= two / one <= 0.6, (step, one, two)  # 1/N of the parameters per device
+        assert all(value > 0 for value in rows[("2", step)])
 
 
 def test_the_bergson_comparison_without_bergson_says_how_to_install_it() -> None:
