@@ -19,6 +19,7 @@ batch with cotangents ``w_i dz_i``: no second backward pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -282,25 +283,45 @@ def _gram(a: Any, d: Any) -> cost.Certified:
     """``sum_{t,s} (a_t . a_s)(d_t . d_s)`` per example and its rounding bound, as
     ``torch_layers._gram_in`` (one block)."""
     _, positions, k = a.shape
-    f = d.shape[2]
-    unit = unit_roundoff(a.dtype)
-    norms_a, norms_d = jnp.linalg.norm(a, axis=2), jnp.linalg.norm(d, axis=2)
     gram_a = jnp.einsum("btk,bsk->bts", a, a, precision=_EXACT)
     gram_d = jnp.einsum("btf,bsf->bts", d, d, precision=_EXACT)
+    norms = jnp.linalg.norm(a, axis=2), jnp.linalg.norm(d, axis=2)
+    terms = (norms[0] * norms[1]).sum(axis=1)  # sum_t |a_t| |d_t|
+    widths = (k, d.shape[2])
+    return certified_gram((gram_a, gram_d), norms, terms, widths, positions, _nested_sum)
+
+
+def certified_gram(
+    grams: tuple[Any, Any],
+    norms: tuple[Any, Any],
+    terms: Any,
+    widths: tuple[int, int],
+    count: int,
+    reduce: Callable[[Any], Any],
+) -> cost.Certified:
+    """``reduce(gram_a * gram_d)`` and its rounding bound, from the ``(..., n, n)`` Gram
+    matrices of the positions' inputs and output gradients (``grams``, of ``widths`` ``(k,
+    f)``), the positions' norms (``norms``, ``(..., n)`` each), ``terms`` (``sum |a_t| |d_t|``
+    of each result) and ``reduce``, which sums the pairs of each result (an example's; a user's,
+    masked, in ``jax_users``) through at most ``2 count`` additions, each kept apart
+    (:func:`_nested_sum`). Each Gram entry is within ``gamma_k |a_t| |a_s|`` (``f`` alike)."""
+    gram_a, gram_d = grams
+    norms_a, norms_d = norms
+    k, f = widths
+    unit = unit_roundoff(gram_a.dtype)
     product = gram_a * gram_d
-    from_a = norms_a[:, :, None] * norms_a[:, None, :] * jnp.abs(gram_d)
-    from_d = norms_d[:, :, None] * norms_d[:, None, :] * jnp.abs(gram_a)
+    from_a = norms_a[..., :, None] * norms_a[..., None, :] * jnp.abs(gram_d)
+    from_d = norms_d[..., :, None] * norms_d[..., None, :] * jnp.abs(gram_a)
     alpha, beta = cost.product_error(k, unit), cost.product_error(f, unit)
-    terms = (norms_a * norms_d).sum(axis=1)  # sum_t |a_t| |d_t|
-    depth = 2 * positions
+    depth = 2 * count
     bound = (
-        cost.gamma(depth + 1, unit) * _nested_sum(jnp.abs(product))
-        + alpha * _nested_sum(from_a)
-        + beta * _nested_sum(from_d)
+        cost.gamma(depth + 1, unit) * reduce(jnp.abs(product))
+        + alpha * reduce(from_a)
+        + beta * reduce(from_d)
         + alpha * beta * terms * terms
     )
-    own = cost.gamma(depth + 2 * (k + f + positions) + 16, unit)
-    return cost.Certified(jnp.maximum(_nested_sum(product), 0), bound * (1 + 2 * own))
+    own = cost.gamma(depth + 2 * (k + f + count) + 16, unit)
+    return cost.Certified(jnp.maximum(reduce(product), 0), bound * (1 + 2 * own))
 
 
 def _formed(a: Any, d: Any) -> cost.Certified:

@@ -26,7 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from pergrad._src.capture import cost
-from pergrad._src.capture.jax_contractions import certified_sum_of_squares, unit_roundoff
+from pergrad._src.capture.jax_contractions import (
+    certified_gram,
+    certified_sum_of_squares,
+    unit_roundoff,
+)
 from pergrad._src.capture.quantities import Lookups, Tokens
 
 _EXACT = jax.lax.Precision.HIGHEST
@@ -76,33 +80,20 @@ class UserGroups(NamedTuple):
     def _gram(self, a: Any, d: Any) -> cost.Certified:
         batch, positions, k = a.shape
         f = d.shape[2]
-        unit = unit_roundoff(a.dtype)
         count = batch * positions
         flat_a, flat_d = a.reshape(count, k), d.reshape(count, f)
         user = jnp.repeat(self.row, positions)
         same = (user[:, None] == user[None, :]) & (user[:, None] < batch)
-        norms_a, norms_d = jnp.linalg.norm(flat_a, axis=1), jnp.linalg.norm(flat_d, axis=1)
+        norms = jnp.linalg.norm(flat_a, axis=1), jnp.linalg.norm(flat_d, axis=1)
         gram_a = jnp.einsum("pk,qk->pq", flat_a, flat_a, precision=_EXACT)
         gram_d = jnp.einsum("pf,qf->pq", flat_d, flat_d, precision=_EXACT)
-        product = jnp.where(same, gram_a * gram_d, 0)
-        from_a = jnp.where(same, norms_a[:, None] * norms_a[None, :] * jnp.abs(gram_d), 0)
-        from_d = jnp.where(same, norms_d[:, None] * norms_d[None, :] * jnp.abs(gram_a), 0)
 
-        def per_user(x: Any) -> Any:
-            rows = jax.lax.optimization_barrier(x.sum(axis=1))
+        def per_user(x: Any) -> Any:  # only the pairs of one user's positions
+            rows = jax.lax.optimization_barrier(jnp.where(same, x, 0).sum(axis=1))
             return jax.ops.segment_sum(rows, user, num_segments=batch)
 
-        alpha, beta = cost.product_error(k, unit), cost.product_error(f, unit)
-        terms = jax.ops.segment_sum(norms_a * norms_d, user, num_segments=batch)
-        depth = 2 * count
-        bound = (
-            cost.gamma(depth + 1, unit) * per_user(jnp.abs(product))
-            + alpha * per_user(from_a)
-            + beta * per_user(from_d)
-            + alpha * beta * terms * terms
-        )
-        own = cost.gamma(depth + 2 * (k + f + count) + 16, unit)
-        return cost.Certified(jnp.maximum(per_user(product), 0), bound * (1 + 2 * own))
+        terms = jax.ops.segment_sum(norms[0] * norms[1], user, num_segments=batch)
+        return certified_gram((gram_a, gram_d), norms, terms, (k, f), count, per_user)
 
     def lookups_norms(self, lookups: Lookups) -> cost.Certified:
         rows, d = lookups.rows, lookups.d
