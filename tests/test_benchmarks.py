@@ -444,3 +444,21 @@ def test_the_bergson_comparison_without_bergson_says_how_to_install_it() -> None
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "needs bergson" in result.stderr and "pip install --no-deps bergson" in result.stderr
+
+
+def test_the_flop_count_of_products_and_of_a_conds_branches() -> None:
+    """benchmarks/dp_flops_jax.py's count: 2 m k n for an (m, k) @ (k, n) product (closed
+    form), a batched one times its batch, a cond by its cheapest / dearest branch."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from benchmarks.dp_flops_jax import matmul_flops
+
+    def f(x, w, ys, flag):
+        out = x @ w  # (3, 4) @ (4, 5): 2 * 3 * 4 * 5
+        batched = jnp.einsum("btk,bkf->btf", ys, ys)  # 2 x (2, 2) @ (2, 2), batch 2: 2*2*2*2*2
+        return jax.lax.cond(flag, lambda: (out @ w.T).sum(), lambda: out.sum()) + batched.sum()
+
+    args = (jnp.ones((3, 4)), jnp.ones((4, 5)), jnp.ones((2, 2, 2)), True)
+    usual, worst = matmul_flops(jax.make_jaxpr(f)(*args).jaxpr)
+    assert usual == 2 * 3 * 4 * 5 + 2 * 2 * 2 * 2 * 2
+    assert worst == usual + 2 * 3 * 5 * 4  # (3, 5) @ (5, 4) in the dearer branch

@@ -168,6 +168,19 @@ def test_torch_kept_normalisation_and_a_schedule_match_the_unrolled_run():
     assert not torch.allclose(plain, scores)  # the two normalisations differ
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("normalize", ["batch", "kept"])
+def test_one_target_alone_is_its_column_of_the_vectorised_call(name, normalize):
+    # One target's adjoints go through the reverse step without vmap: another code path.
+    _, loss = torch_problem()
+    target = torch_target(loss)
+    run = (loss, loss.params(), torch_data(), BATCHES, OPTIMIZERS[name])
+    both = influence.metagradient(*run, target, normalize=normalize)
+    alone = influence.metagradient(*run, lambda p: target(p)[1], normalize=normalize)
+    assert alone.shape == (N, 1) and both[:, 1].abs().max() > 1e-3
+    torch.testing.assert_close(alone, both[:, 1:], rtol=1e-12, atol=1e-15)
+
+
 @settings(max_examples=6, deadline=None)
 @given(checkpoint_every=st.integers(1, 8))
 def test_any_checkpoint_interval_gives_the_same_scores(checkpoint_every):

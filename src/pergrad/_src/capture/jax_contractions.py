@@ -48,7 +48,9 @@ def weighted_sum(site: Site, param: Any, inputs: Any, cotangents: Any, weights: 
         (-1,) + (1,) * (cotangents.ndim - 1)
     )
     batched = jax.vmap(lambda x, w: contract(site, x, w), in_axes=(0, None))
-    _, transpose = jax.vjp(lambda w: batched(inputs, w), operand)
+    # linear in w: its transpose without evaluating the contraction (jax.vjp would, which jit
+    # drops as dead code but an eager call pays: a second forward pass of every layer)
+    transpose = jax.linear_transpose(lambda w: batched(inputs, w), operand)
     (summed,) = transpose(scaled)
     (grad,) = chain_transpose(summed)
     return grad
@@ -59,7 +61,7 @@ def per_example(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     operand, chain_transpose = jax.vjp(lambda p: apply_chain(site, p), param)
 
     def gradient_of_one(layer_input: Any, cotangent: Any) -> Any:
-        _, transpose = jax.vjp(lambda w: contract(site, layer_input, w), operand)
+        transpose = jax.linear_transpose(lambda w: contract(site, layer_input, w), operand)
         (g,) = transpose(cotangent)
         (grad,) = chain_transpose(g)
         return grad
@@ -73,7 +75,7 @@ def per_example_squared_norms(site: Site, param: Any, inputs: Any, cotangents: A
     operand = apply_chain(site, param)
 
     def gradient_of_one(layer_input: Any, cotangent: Any) -> Any:
-        _, transpose = jax.vjp(lambda w: contract(site, layer_input, w), operand)
+        transpose = jax.linear_transpose(lambda w: contract(site, layer_input, w), operand)
         (g,) = transpose(cotangent)
         return (_wide(g) ** 2).sum()
 

@@ -6,9 +6,11 @@ loss_i / len(batches[t])`` (``normalize="kept"``: divided by ``sum_i w_i`` inste
 are the derivatives of the targets at the end of the run with respect to each weight, at
 ``w = 1``. They come from one forward replay of the run (storing a checkpoint every
 ``checkpoint_every`` steps) and one reverse pass that carries the adjoint of the parameters and
-of the optimizer state back through every update; at each step, one forward-mode pass over the
-vector of the batch's per-example losses, along the adjoint of the gradient, gives every
-example's term and the Hessian-vector product the adjoint needs, for all targets at once.
+of the optimizer state back through every update; at each step, one second-order pass gives
+every example's term and the Hessian-vector product the adjoint needs, for all targets at once
+(PyTorch: one vector-Jacobian product of the step, reverse-over-reverse, whose inputs include
+the examples' scales in the batch loss; JAX: one forward-mode pass over the vector of the
+batch's per-example losses along the adjoint of the gradient, forward-over-reverse).
 
 This module holds what does not depend on the framework: the optimizers' arithmetic, the
 validation, and the checkpointed forward / reverse schedule. The differentiation of one step is
@@ -386,9 +388,10 @@ def metagradient(
       ``(n_train, k)`` scores (``k = 1`` for a scalar target), an array of the parameters'
       framework and dtype. Examples in no batch score 0.
 
-    Cost: a replay of the run, then per step one gradient, one vector-Jacobian product of the
-    optimizer update and one forward-over-reverse pass over the batch's per-example losses,
-    vectorised over the ``k`` targets.
+    Cost: a replay of the run, then per step one second-order pass vectorised over the ``k``
+    targets: in PyTorch one reverse-over-reverse vector-Jacobian product of the step (about two
+    training steps for one target); in JAX one gradient, one vector-Jacobian product of the
+    optimizer update and one forward-over-reverse pass over the batch's per-example losses.
 
     Example::
 
