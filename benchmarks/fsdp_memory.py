@@ -3,6 +3,7 @@ processes (issue 37): pergrad's ``DPOptimizer`` against the non-private FSDP2 st
 Opacus's FSDP ghost clipping.
 
 Run:  python benchmarks/fsdp_memory.py [--quick] [--worlds 1,2,4] [--rounds R] [--out PATH.md]
+          [--mixed-precision]
 
 The committed results: ``python benchmarks/fsdp_memory.py --out
 benchmarks/results/cpu/fsdp_memory.md`` (11 minutes on the 2-core machine at load 15-20).
@@ -26,7 +27,10 @@ embeddings, on each block, on the lm head and on the root, so that the columns c
 methods and not the wrapping (Opacus's own ``FSDP2Wrapper`` shards only the layers Opacus has a
 rule for, and GPT-2's ``Conv1D`` projections are not among them: they would stay in the root's
 group). N = 1: no FSDP and no sharding, the single-process baseline (pergrad's ``DPOptimizer``
-without ``distributed``, Opacus's ``"ghost"``). All DP steps: ``max_norm=1``,
+without ``distributed``, Opacus's ``"ghost"``). ``--mixed-precision``: N > 1 shards every
+method's model with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (pergrad
+then forms its clipped sum from the records in float32, ``torch/fsdp.py``); N = 1 stays the
+float32 baseline. All DP steps: ``max_norm=1``,
 ``noise_multiplier=1``, one fixed batch (no Poisson sampling), the global expected batch size.
 
 Per process and method, reported for the process where it is largest:
@@ -74,7 +78,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +109,18 @@ class Config:
     vocab: int = 8192
     length: int = 128
     batch: int = 4  # examples per process
+    mixed_precision: bool = False  # N > 1: bfloat16 parameters in the passes, float32 reduction
 
     def describe(self) -> str:
+        precision = (
+            "; N > 1 sharded with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)"
+            if self.mixed_precision
+            else ""
+        )
         return (
             f"GPT-2, {self.layers} layers, width {self.width}, {self.heads} heads, vocabulary "
             f"{self.vocab}, untied lm head ({num_params(self) / 1e6:.2f} M parameters); "
-            f"{self.batch} examples of {self.length} tokens per process"
+            f"{self.batch} examples of {self.length} tokens per process{precision}"
         )
 
 
@@ -145,19 +155,25 @@ def gpt2(config: Config) -> Any:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        tie_word_embeddings=False,  # tied weights: refused by pergrad and Opacus under FSDP
+        tie_word_embeddings=False,  # as in the committed results (pergrad now takes ties)
     )
     return transformers.GPT2LMHeadModel(gpt2_config).train()
 
 
-def shard(model: Any) -> Any:
+def shard(model: Any, config: Config) -> Any:
     """``fully_shard`` on the embeddings, each block, the lm head, then the root."""
-    from torch.distributed.fsdp import fully_shard
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    options = {}
+    if config.mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     body = model.transformer
     for module in (body.wte, body.wpe, *body.h, model.lm_head):
-        fully_shard(module)
-    fully_shard(model)
+        fully_shard(module, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -203,7 +219,7 @@ def build(
 
     model = gpt2(config)
     if world > 1:
-        shard(model)
+        shard(model, config)
     if sgd:  # the agreement check: the update is the private gradient itself
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     else:
@@ -493,10 +509,11 @@ def worker(world: int, rank: int, store: str, out: str, config: Config, rounds: 
 # The driver: N processes for each N, then the table.
 
 
-def run_world(world: int, quick: bool, rounds: int) -> dict[str, Any]:
+def run_world(world: int, quick: bool, rounds: int, mixed: bool = False) -> dict[str, Any]:
     """Start ``world`` workers, wait for them, and return their results by rank (or why not)."""
     with tempfile.TemporaryDirectory(prefix="fsdp_memory_") as directory:
         command = [sys.executable, __file__, "--rounds", str(rounds)] + ["--quick"] * quick
+        command += ["--mixed-precision"] * mixed
         env = {**os.environ, "OMP_NUM_THREADS": "1", **FREED_BUFFERS_TO_THE_OS}
         store = str(Path(directory, "store"))
         processes = [
@@ -721,9 +738,12 @@ def main() -> None:
     parser.add_argument("--worlds", help="comma-separated numbers of processes (1,2,4)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; quick 2)")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument(
+        "--mixed-precision", action="store_true", help="N > 1: bfloat16 MixedPrecisionPolicy"
+    )
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    config = QUICK if args.quick else FULL
+    config = replace(QUICK if args.quick else FULL, mixed_precision=args.mixed_precision)
     args.rounds = args.rounds or (2 if args.quick else 5)
     if args.worker:
         world, rank, store, out = args.worker
@@ -733,7 +753,7 @@ def main() -> None:
     at_start = uptime()
     results = {}
     for world in worlds:
-        results[world] = run_world(world, args.quick, args.rounds)
+        results[world] = run_world(world, args.quick, args.rounds, args.mixed_precision)
         print(f"N={world}: done", file=sys.stderr, flush=True)
     publish(report(results), args.out, lambda: header(config, args, at_start))
 

@@ -103,17 +103,6 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(ids))
-
-
 class Scaled(nn.Module):
     """A learnable scale of the model itself: no layer rule owns it."""
 
@@ -310,9 +299,8 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
 
 
 def refusals(world_size: int) -> dict[str, str]:
-    """Construction (or a step) refused on every rank alike, before any collective."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
+    """Construction (or a step) refused on every rank alike, before any collective (tied
+    weights, mixed precision and user_ids: ``test_fsdp_torch_more.py``)."""
     refused = {}
     model = make_mlp()
     shard(model, [model[0], model[2]])
@@ -323,33 +311,19 @@ def refusals(world_size: int) -> dict[str, str]:
     refused["chunk size"] = error_of(
         lambda: dp_optimizer(model, noise_multiplier=1.0, distributed=True, chunk_size=1)
     )
-    optimizer = dp_optimizer(model, noise_multiplier=0.0, distributed=True)
-    x, y = make_data()
-
-    def autocast_step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            optimizer.step(x[:2], y[:2])
-
-    refused["autocast"] = error_of(autocast_step)
-    tied = Tied()
-    shard(tied, [])
-    refused["tied"] = error_of(
-        lambda: dp_optimizer(tied, token_loss, noise_multiplier=0.0, distributed=True)
-    )
     scaled = Scaled()
     shard(scaled, [])
     refused["no rule"] = error_of(
         lambda: dp_optimizer(scaled, noise_multiplier=0.0, distributed=True)
     )
-    mixed = make_mlp()
-    shard(mixed, [], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    refused["mixed precision"] = error_of(
-        lambda: dp_optimizer(mixed, noise_multiplier=0.0, distributed=True)
-    )
     return refused
 
 
-def run_workers(world_size: int, directory: Path, transformer: bool) -> list[dict[str, Any]]:
+def run_workers(
+    world_size: int, directory: Path, transformer: bool, script: str = __file__
+) -> list[dict[str, Any]]:
+    """Run ``script`` (this file, or another that plays its own scenarios) as ``world_size``
+    worker processes; what each saw, by rank."""
     environment = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -358,7 +332,7 @@ def run_workers(world_size: int, directory: Path, transformer: bool) -> list[dic
     store = directory / "store"
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, str(world_size), str(rank), str(store), str(directory)],
+            [sys.executable, script, str(world_size), str(rank), str(store), str(directory)],
             env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -546,10 +520,7 @@ def test_what_is_not_supported_is_refused_by_name(workers):
     expected = {
         "not distributed": "the model is sharded with FSDP2 (its parameters are DTensors); "
         "pass distributed=True",
-        "autocast": "torch.autocast on an FSDP2 model is not supported yet",
-        "tied": "parameter 'embed.weight' is used by layers ['embed', 'head'] (tied weights)",
         "no rule": "the trainable parameter(s) ['scale'] belong to no layer with a ghost rule",
-        "mixed precision": "is sharded with FSDP mixed precision (param_dtype=torch.bfloat16",
         "another strategy": "steps take the ghost strategy only (each layer's norms from its "
         "records, 'ghost-fsdp'); got strategy='ghost-lowmem', chunk_size=None",
         "chunk size": "got strategy='auto', chunk_size=1",

@@ -29,7 +29,7 @@ from pergrad._src.errors import (
     PergradValueError,
     warn_from_caller,
 )
-from pergrad._src.torch import fsdp
+from pergrad._src.torch import fsdp, fsdp_noise
 from pergrad._src.torch.distributed import (
     StepTotals,
     all_reduce_totals,
@@ -90,10 +90,11 @@ class DPOptimizer:
     clipped sum is a backward pass of the clip-weighted losses, which FSDP's reduce-scatter
     sums over the processes into each one's shard; the noise, from rank 0's ``generator``, is
     the single-process noise, scattered by shard (:attr:`DPStep.strategy` ``"ghost-fsdp"``;
-    ``torch/fsdp.py``); correlated noise keeps each process's share of its state. Not yet:
-    parameters outside every layer with a ghost rule, tied weights, mixed precision (FSDP's
-    ``MixedPrecisionPolicy`` or ``torch.autocast``), HSDP meshes: each is refused with the
-    reason.
+    ``torch/fsdp.py``, the noise ``torch/fsdp_noise.py``); correlated noise keeps each
+    process's share of its state. Tied weights, mixed precision (FSDP's
+    ``MixedPrecisionPolicy`` or ``torch.autocast``: the clipped sum from the records in
+    float32) and ``user_ids`` (each user on one process) work too. Not yet: parameters
+    outside every layer with a ghost rule, HSDP meshes: each is refused with the reason.
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,
@@ -362,7 +363,8 @@ class DPOptimizer:
         per-example gradients are formed and summed per user, said once with a
         :class:`pergrad.FallbackWarning` under ``strategy="auto"``. With
         :func:`pergrad.dp.adaptive` clipping the bound follows the count of users within it.
-        Not with ``distributed`` yet."""
+        Not with data-parallel ``distributed`` yet; on an FSDP2 model, with each user's
+        examples on one process (checked at every step)."""
         if batch:
             self.accumulate(*batch, user_ids=user_ids)
         elif user_ids is not None:
@@ -467,7 +469,13 @@ class DPOptimizer:
         # scale * max_norm and dividing the sum by the scale is unscaling, then clipping.
         if self._sharded is not None:  # (no scaler with distributed: scale is 1)
             clipped, choice, ran, losses = fsdp.clipped_sum_run(
-                self._sharded, self._loss, batch, max_norm=self.max_norm, clipping=self.clipping
+                self._sharded,
+                self._loss,
+                batch,
+                max_norm=self.max_norm,
+                clipping=self.clipping,
+                user_ids=user_ids,
+                step_users=self._pending_users,
             )
         else:
             clipped, choice, ran, losses = clipped_sum_run(
@@ -551,10 +559,11 @@ class DPOptimizer:
         self._user_level = level
         if not level:
             return None
-        if self.process_group is not None:
+        if self.process_group is not None and self._sharded is None:
             raise PergradValueError(
-                "DPOptimizer: user_ids (user-level clipping) is not supported with distributed "
-                "yet (a user's examples would have to be on one process); train in one process."
+                "DPOptimizer: user_ids (user-level clipping) is not supported with data-parallel "
+                "distributed yet (a user's examples would have to be on one process); train in "
+                "one process, or shard the model with FSDP2 (fully_shard)."
             )
         if isinstance(user_ids, torch.Tensor):
             device = next(iter(self._loss.params().values())).device
@@ -577,7 +586,9 @@ class DPOptimizer:
         cannot take, or parameters without a rule whose per-example gradients are large), or
         user-level clipping formed the per-example gradients (the ghost strategy refused)."""
         user_formed = (
-            self._user_level and choice.strategy != "ghost" and CHEAPER not in choice.reason
+            self._user_level
+            and choice.strategy not in ("ghost", fsdp.STRATEGY)
+            and CHEAPER not in choice.reason
         )
         if not self._warned_off_ghost and self.strategy == "auto" and user_formed:
             self._warned_off_ghost = True
@@ -603,7 +614,7 @@ class DPOptimizer:
         std = self.gradient_noise_multiplier * self.max_norm
         if self._sharded is not None:  # each shard already sums every process's examples
             # (each process keeps the mechanism's state of its own shards)
-            noisy, self._noise_state = fsdp.add_noise(
+            noisy, self._noise_state = fsdp_noise.add_noise(
                 clipped.sum, std, self.generator, self.noise, self._noise_state
             )
             counts = all_reduce_totals(

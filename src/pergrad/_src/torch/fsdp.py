@@ -28,15 +28,24 @@ Each process holds ``1/N`` of every parameter and its own examples. One step:
    shards only (``1/N`` of it): the recursion is linear and acts on each coordinate alone
    across the steps, so each coordinate's noise is the single-process run's.
 
+Tied weights (GPT-2's embedding as its output projection, both layers in one FSDP group) add
+the cross terms of ``capture/torch_tied.py`` to their norms. **Mixed precision**
+(``MixedPrecisionPolicy`` with a low ``param_dtype`` or ``reduce_dtype``, or ``torch.autocast``):
+a bfloat16 backward pass would round each weighted gradient after its norm was bounded, so step
+2 becomes each layer rule's weighted sum of the norm pass's records in float32 (as the
+single-process ghost strategy), all-reduced one parameter at a time, each process keeping its
+shard: each example stays within ``max_norm`` to float32 rounding, for one parameter's full-size
+sum held at a time and twice FSDP's communication. **User-level DP** (``user_ids``): users'
+norms from their examples' records side by side (``capture/torch_users.py``), each example
+weighted by its user's clip factor; one all-gather of the step's ids first refuses a user on
+two processes (its parts would be clipped apart).
+
 What this slice refuses (:func:`check_sharded_model`, with the reason): a parameter outside
-every layer with a ghost rule (no per-example gradients formed shard by shard yet), tied
-weights (their cross terms), FSDP mixed precision (``MixedPrecisionPolicy(param_dtype=...)``)
-and ``torch.autocast`` (the weighted backward pass rounds each example's gradient in the low
-precision, so its norm could exceed the bound the norms were clipped to), a parameter left out
-of every ``fully_shard``, a 2-D (HSDP) mesh, a noise mechanism other than independent
-Gaussian noise and the correlated noise of :mod:`pergrad._src.dp.correlated` (a mechanism
-of one's own has no recursion to run shard by shard), and a custom
-``set_gradient_divide_factor``.
+every layer with a ghost rule (no per-example gradients formed shard by shard yet), a tie
+between layers with no cross rule, a parameter left out of every ``fully_shard``, a 2-D (HSDP)
+mesh, a noise mechanism other than independent Gaussian noise and the correlated noise of
+:mod:`pergrad._src.dp.correlated` (a mechanism of one's own has no recursion to run shard by
+shard), a custom ``set_gradient_divide_factor``, and a user on two processes in one step.
 """
 
 from __future__ import annotations
@@ -53,17 +62,26 @@ from torch import nn
 
 from pergrad._src.api.reductions import global_norms
 from pergrad._src.backends import backend_of
-from pergrad._src.capture import cost
+from pergrad._src.capture import torch_tied
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import capturing, layer_calls, per_example_losses
-from pergrad._src.capture.torch_quantities import layer_squared_norms
+from pergrad._src.capture.torch_plan import Ownership, ownership
+from pergrad._src.capture.torch_quantities import (
+    LeafSquaredNorms,
+    add_layer_sums,
+    squared_norms,
+    weighted_calls,
+)
+from pergrad._src.capture.torch_session import CapturedPass
+from pergrad._src.capture.torch_users import UserRows, user_squared_norms
 from pergrad._src.core.module_loss import ModuleLoss
-from pergrad._src.dp.clipping import clip_statistics, clip_weights
+from pergrad._src.dp.clipping import ClipWeights, clip_statistics, clip_weights
 from pergrad._src.dp.clipping_policies import ClippingPolicy
 from pergrad._src.dp.correlated import CorrelatedNoise
 from pergrad._src.dp.from_loss import ClippedRun
-from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism, add_independent_gaussian
-from pergrad._src.errors import PergradValueError, Unsupported
+from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism
+from pergrad._src.dp.users import check_user_ids, user_slots
+from pergrad._src.errors import PergradTypeError, PergradValueError, Unsupported
 from pergrad._src.strategies.protocol import StrategyChoice
 
 #: the strategy name :class:`pergrad.dp.DPStep` reports for a step on an FSDP2 model
@@ -72,10 +90,16 @@ _REASON = (
     "the model is sharded with FSDP2: ghost norms from each layer's inputs and output "
     "gradients, the clipped sum from a weighted backward pass through FSDP's reduce-scatter"
 )
+_REASON_RECORDS = (
+    "the model is sharded with FSDP2 and runs in mixed precision: ghost norms from each "
+    "layer's inputs and output gradients, the clipped sum from the same records in float32, "
+    "all-reduced"
+)
 _HINT = (
     "DPOptimizer on an FSDP2 model (fully_shard) takes, in this version, models whose "
     "trainable parameters all belong to layers with a ghost rule (Linear, Conv1d/2d, "
-    "Embedding, norm layers, ...), untied, in float32, on a 1-D mesh"
+    "Embedding, norm layers, ...), tied only where pergrad has a cross rule (an embedding "
+    "and a linear head, two embeddings), on a 1-D mesh"
 )
 
 
@@ -92,20 +116,23 @@ class ShardedModel:
     """What a step on an FSDP2 model needs to know, found once at construction.
 
     Attributes:
-      layers: module name -> module, every layer that owns a trainable parameter (each with a
-        ghost rule); its hooks record its calls.
-      owned: module name -> {parameter name relative to the layer: full name}, the trainable
-        parameters each layer's rule reduces.
+      owners: which layer (with a ghost rule) reduces each trainable parameter
+        (``torch_plan.Ownership``: the hooked layers, the tied parameters); the names are
+        those of ``named_parameters``.
       world_size: the number of processes the parameters are sharded over (FSDP averages
         their gradients over this many).
       trainable: the trainable parameters' full names, in ``named_parameters`` order (the
         single-process order of the clipped sum and of its noise draws).
+      group: the process group of the parameters' mesh.
+      low_precision: a module sharded with a low-precision ``MixedPrecisionPolicy`` (its
+        name), or None: the clipped sum is then formed from the records (module docstring).
     """
 
-    layers: dict[str, nn.Module]
-    owned: dict[str, dict[str, str]]
+    owners: Ownership
     world_size: int
     trainable: tuple[str, ...]
+    group: Any
+    low_precision: str | None
 
 
 def check_sharded_model(
@@ -142,12 +169,15 @@ def check_sharded_model(
     mesh = next(iter(meshes.values()), None)
     if mesh is not None:
         _check_mesh(func_name, mesh, meshes, group)
+    low_precision = None
     for module_name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            _check_fsdp_settings(func_name, module_name or "<root>", module)
-    layers, owned = _layers_owning(func_name, model, trainable)
+            name = module_name or "<root>"
+            if _check_fsdp_settings(func_name, name, module) and low_precision is None:
+                low_precision = name
+    owners = ownership(model, trainable, _layer_rules(func_name, model, trainable))
     world_size = 1 if mesh is None else mesh.size()
-    return ShardedModel(layers, owned, world_size, tuple(trainable))
+    return ShardedModel(owners, world_size, tuple(trainable), group, low_precision)
 
 
 def _check_mesh(func_name: str, mesh: Any, meshes: dict[str, Any], group: Any) -> None:
@@ -170,43 +200,40 @@ def _check_mesh(func_name: str, mesh: Any, meshes: dict[str, Any], group: Any) -
         )
 
 
-def _check_fsdp_settings(func_name: str, name: str, module: Any) -> None:
-    """FSDP settings that would change the clipped sum: mixed precision and a custom divide
-    factor. Read from FSDP's state (no public getter); absent attributes pass."""
+def _check_fsdp_settings(func_name: str, name: str, module: Any) -> bool:
+    """Whether ``module`` is sharded with a low-precision ``MixedPrecisionPolicy``, after
+    refusing a custom divide factor (the weighted backward pass undoes FSDP's default
+    averaging). Read from FSDP's state (no public getter); absent attributes pass."""
     state = module._get_fsdp_state()
+    low_precision = False
     for param_group in getattr(state, "_fsdp_param_groups", ()):
         policy = getattr(param_group, "mp_policy", None)
-        param_dtype = getattr(policy, "param_dtype", None)
-        reduce_dtype = getattr(policy, "reduce_dtype", None)
-        if any(d is not None and d != torch.float32 for d in (param_dtype, reduce_dtype)):
-            raise PergradValueError(
-                f"{func_name}: module {name!r} is sharded with FSDP mixed precision "
-                f"(param_dtype={param_dtype}, reduce_dtype={reduce_dtype}), not supported yet: "
-                f"the clipped sum is a backward pass, which would round each example's "
-                f"gradient in the low precision after its norm was bounded, so a clipped "
-                f"gradient could exceed max_norm. Shard in float32 (no mp_policy)."
-            )
+        dtypes = (getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None))
+        low_precision |= any(d is not None and d != torch.float32 for d in dtypes)
         if getattr(param_group, "gradient_divide_factor", None) is not None:
             raise PergradValueError(
                 f"{func_name}: module {name!r} has a custom gradient divide factor "
                 f"(set_gradient_divide_factor); DPOptimizer sums the clipped gradients with "
                 f"FSDP's reduce-scatter and undoes its default averaging. Leave it unset."
             )
+    return low_precision
 
 
-def _layers_owning(
+def _layer_rules(
     func_name: str, model: nn.Module, trainable: dict[str, torch.Tensor]
-) -> tuple[dict[str, nn.Module], dict[str, dict[str, str]]]:
-    """Each layer with a ghost rule that owns a trainable parameter, and those parameters;
-    refuses a trainable parameter no such layer owns, and a parameter used by two layers."""
+) -> dict[str, str]:
+    """Module name -> rule name of each layer with a ghost rule that uses a trainable
+    parameter; refuses a trainable parameter no such layer uses, and a parameter two layers
+    share without a cross rule for their pair (``capture/torch_tied.py``)."""
     by_id = {id(p): name for name, p in trainable.items()}
-    layers: dict[str, nn.Module] = {}
-    owned: dict[str, dict[str, str]] = {}
-    owners_of: dict[str, list[str]] = {}
+    rules: dict[str, str] = {}
+    uses_of: dict[str, list[tuple[str, str, str]]] = {}  # name -> (layer, family, attribute)
+    seen: set[int] = set()
     for module_name, module in model.named_modules(remove_duplicate=False):
         rule = rule_for(module)
-        if rule is None:
+        if rule is None or id(module) in seen:
             continue
+        seen.add(id(module))
         own = {relative: by_id[id(p)] for relative, p in layer_parameters(module) if id(p) in by_id}
         if not own:
             continue
@@ -216,24 +243,25 @@ def _layers_owning(
                 f"{func_name}: layer {module_name!r} ({type(module).__name__}) cannot take the "
                 f"ghost path: {problem}. {_HINT}."
             )
-        layers[module_name], owned[module_name] = module, own
-        for full in own.values():
-            owners_of.setdefault(full, []).append(module_name)
-    tied = {name: users for name, users in owners_of.items() if len(users) > 1}
-    if tied:
-        name, users = next(iter(tied.items()))
-        raise PergradValueError(
-            f"{func_name}: parameter {name!r} is used by layers {users} (tied weights), not "
-            f"supported on an FSDP2 model yet; {_HINT}."
-        )
-    orphans = [name for name in trainable if name not in owners_of]
+        rules[module_name] = rule.name
+        for relative, full in own.items():
+            uses_of.setdefault(full, []).append((module_name, rule.name, relative))
+    for name, uses in uses_of.items():
+        pair = torch_tied.missing_cross([(family, attribute) for _, family, attribute in uses])
+        if len(uses) > 1 and pair is not None:
+            raise PergradValueError(
+                f"{func_name}: parameter {name!r} is used by layers "
+                f"{[layer for layer, _, _ in uses]} (tied weights), and pergrad has no cross "
+                f"rule for {pair}: their per-example gradients' inner products; {_HINT}."
+            )
+    orphans = [name for name in trainable if name not in uses_of]
     if orphans:
         raise PergradValueError(
             f"{func_name}: the trainable parameter(s) {orphans} belong to no layer with a "
             f"ghost rule, and per-example gradients are not formed shard by shard yet; {_HINT}. "
             f"Freeze them (requires_grad_(False)) or replace the layer."
         )
-    return layers, owned
+    return rules
 
 
 def clipped_sum_run(
@@ -243,40 +271,137 @@ def clipped_sum_run(
     *,
     max_norm: float,
     clipping: ClippingPolicy | None,
+    user_ids: Any = None,
+    step_users: set[int] | None = None,
 ) -> ClippedRun:
-    """This process's examples clipped, summed over every process into each one's shards.
+    """This process's examples (or users) clipped, summed over every process into each one's
+    shards.
 
     ``batch``: the model inputs then the loss function's targets, each batched on axis 0.
-    Returns the :class:`~pergrad._src.dp.from_loss.ClippedRun` of ``clipped_sum_run``:
-    ``clipped.sum`` maps each trainable parameter's name to its shard (a DTensor like the
-    parameter) of the clipped sum over ALL processes' examples; ``norms``, ``clip_fraction``,
-    ``count`` and ``nonfinite`` are this process's examples'. Collective: every process of
-    the mesh calls it, each with its own examples (an empty batch included)."""
+    ``user_ids``: None (example level) or ``(B,)`` user ids; ``step_users``: the ids of this
+    process's micro-batches of the step so far, this one's included (checked apart from every
+    other process's). Returns the :class:`~pergrad._src.dp.from_loss.ClippedRun` of
+    ``clipped_sum_run``: ``clipped.sum`` maps each trainable parameter's name to its shard (a
+    DTensor like the parameter) of the clipped sum over ALL processes' examples; ``norms``,
+    ``clip_fraction``, ``count`` and ``nonfinite`` are this process's examples' (users').
+    Collective: every process of the mesh calls it, each with its own examples (an empty batch
+    included)."""
     func_name = "DPOptimizer"
-    if torch.is_autocast_enabled("cpu") or (
-        torch.cuda.is_available() and torch.is_autocast_enabled("cuda")
-    ):
-        raise PergradValueError(
-            f"{func_name}: torch.autocast on an FSDP2 model is not supported yet: the clipped "
-            f"sum is a backward pass, which would round each example's gradient in the low "
-            f"precision after its norm was bounded. Step outside autocast."
-        )
+    autocast = _autocast_enabled()
+    if autocast:
+        # FSDP's unsharded parameters are the same tensors from step to step: autocast would
+        # reuse its cached low-precision copies of the last step's values within one region
+        torch.clear_autocast_cache()
     inputs, targets = list(batch[: loss.num_inputs]), list(batch[loss.num_inputs :])
     batch_size = _batch_size(func_name, inputs)
+    user_ids = _checked_user_ids(func_name, sharded, user_ids, step_users, batch_size)
+    losses, session = _norm_pass(sharded, loss, inputs, targets, batch_size)
+    bk = backend_of(losses, func_name, "losses")
     try:
-        losses, records = _norm_pass(sharded, loss, inputs, targets, batch_size)
-        estimates, uppers = _squared_norms(sharded, records, losses, batch_size)
+        squared = _squared_norms(session, user_ids)
     except Unsupported as err:  # no fallback here: the chunked strategy cannot take DTensors
         raise PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {_HINT}.") from err
-    del records
-    bk = backend_of(losses, func_name, "losses")
-    norms = global_norms(estimates)
-    weights = clip_weights(bk, [global_norms(uppers)], [max_norm], None, clipping)
-    summed = _weighted_backward(sharded, loss, inputs, targets, batch_size, weights.weights[0])
+    uppers = [e if b is None else e + b for e, b in zip(squared, squared.bounds)]
+    norms = global_norms(list(squared))
+    weights, per_example = _clip_weights(bk, global_norms(uppers), max_norm, clipping, user_ids)
+    from_records = _any_process(
+        sharded.group,
+        sharded.low_precision is not None or autocast or _low_precision(session),
+        losses.device,
+    )
+    if from_records:
+        with torch.no_grad():  # (the records are activations of the graph)
+            summed = _records_sum(sharded, session, per_example)
+    else:
+        del session  # (its records: the weighted backward pass makes its own)
+        summed = _weighted_backward(sharded, loss, inputs, targets, batch_size, per_example)
     clipped = clip_statistics(bk, summed, [norms], [max_norm], weights)
-    rules = {name: rule_for(layer).name for name, layer in sharded.layers.items()}
-    choice = StrategyChoice(STRATEGY, _REASON, None, rules)
+    rules = {name: rule_for(layer).name for name, layer in sharded.owners.modules.items()}
+    choice = StrategyChoice(STRATEGY, _REASON_RECORDS if from_records else _REASON, None, rules)
     return ClippedRun(clipped, choice, STRATEGY, losses.detach())
+
+
+def _autocast_enabled() -> bool:
+    return torch.is_autocast_enabled("cpu") or (
+        torch.cuda.is_available() and torch.is_autocast_enabled("cuda")
+    )
+
+
+def _low_precision(session: CapturedPass) -> bool:
+    """Whether some layer ran in a precision below float32 (its output gradients), however
+    it came to (a policy or a cast this module's checks did not see)."""
+    grads = [r.output_grad for rs in session.records.values() for r in rs]
+    return any(g is not None and g.is_floating_point() and g.element_size() < 4 for g in grads)
+
+
+def _any_process(group: Any, flag: bool, device: Any) -> bool:
+    """Whether ``flag`` holds on some process of ``group`` (one all-reduce of one number on
+    ``device``, the losses'), so that every process takes the same collectives."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _clip_weights(
+    bk: Any, upper_norms: torch.Tensor, max_norm: float, clipping: Any, user_ids: Any
+) -> tuple[ClipWeights, torch.Tensor]:
+    """The clip weights (per example, or per user in the row of its first example,
+    ``dp/users.user_slots``) and each example's weight (its user's)."""
+    if user_ids is None:
+        weights = clip_weights(bk, [upper_norms], [max_norm], None, clipping)
+        return weights, weights.weights[0]
+    groups = user_slots(bk, user_ids, None, upper_norms.new_ones(()))
+    weights = clip_weights(bk, [upper_norms], [max_norm], groups.real, clipping)
+    return weights, (weights.weights[0][:, None] * groups.slots).sum(0)
+
+
+def _checked_user_ids(
+    func_name: str, sharded: ShardedModel, user_ids: Any, step_users: Any, batch_size: int
+) -> Any:
+    """``user_ids`` checked (``dp/users.check_user_ids``, on the parameters' device), None at
+    example level. Refuses, on every process alike (one all-gather, before the step's other
+    collectives), a user whose examples are on two processes in one step (each part would be
+    clipped to ``max_norm`` on its own), a step with ``user_ids`` on some processes and
+    without on others, and ``user_ids`` that some process refused."""
+    problem = mine = None
+    if user_ids is not None:
+        like = sharded.owners.model.get_parameter(sharded.trainable[0]).to_local()
+        try:
+            bk = backend_of(like, func_name, "user_ids")
+            user_ids = check_user_ids(func_name, bk, user_ids, batch_size, like)
+            mine = sorted(set(user_ids.tolist()) if step_users is None else step_users)
+        except (PergradTypeError, PergradValueError) as err:
+            problem, mine = err, str(err)
+    gathered: list[Any] = [None] * dist.get_world_size(sharded.group)
+    dist.all_gather_object(gathered, mine, sharded.group)
+    if problem is not None:
+        raise problem
+    refused = [rank for rank, ids in enumerate(gathered) if isinstance(ids, str)]
+    if refused:
+        raise PergradValueError(
+            f"{func_name}: user_ids: process {refused[0]} refused its step: {gathered[refused[0]]}"
+        )
+    if len({ids is None for ids in gathered}) > 1:
+        without = [rank for rank, ids in enumerate(gathered) if ids is None]
+        raise PergradValueError(
+            f"{func_name}: user_ids: the processes {without} stepped without user_ids and the "
+            f"others with them; on an FSDP2 model every process passes user_ids= at every "
+            f"step of a user-level run (an empty tensor with an empty batch)."
+        )
+    processes_of: dict[int, list[int]] = {}
+    for rank, ids in enumerate(gathered):
+        for user in ids or ():
+            processes_of.setdefault(user, []).append(rank)
+    shared = sorted(user for user, ranks in processes_of.items() if len(ranks) > 1)
+    if shared:
+        ranks = sorted({rank for user in shared for rank in processes_of[user]})
+        raise PergradValueError(
+            f"{func_name}: user_ids: user(s) {shared[:5]} are in the batches of processes "
+            f"{ranks} in this step; each user's examples must all be on one process (each "
+            f"part would be clipped to max_norm on its own). Send each sampled user to one "
+            f"process, e.g. by user_id % world_size."
+        )
+    return user_ids
 
 
 def _batch_size(func_name: str, inputs: list[Any]) -> int:
@@ -320,10 +445,13 @@ def _norm_pass(
     inputs: list[Any],
     targets: list[Any],
     batch_size: int,
-) -> tuple[torch.Tensor, dict[str, list[Any]]]:
-    """The per-example losses and every layer's records, output gradients filled."""
+) -> tuple[torch.Tensor, CapturedPass]:
+    """The per-example losses, and every layer's records, output gradients filled, as a
+    :class:`~pergrad._src.capture.torch_session.CapturedPass` whose parameters are stand-ins
+    (the reductions read their names, shapes and dtypes only; the rules read the records)."""
+    owners = sharded.owners
     with torch.enable_grad():
-        with capturing(sharded.layers, batch_size) as records:
+        with capturing(owners.modules, batch_size) as records:
             losses = _losses(loss, inputs, targets, batch_size)
         outputs = [r.output for rs in records.values() for r in rs if r.hooked]
         for layer_records in records.values():
@@ -337,34 +465,36 @@ def _norm_pass(
     for layer_records in records.values():
         for record in layer_records:
             record.output = None
-    return losses, records
+    params = {}
+    for name in sharded.trainable:  # a 0-d zero expanded: no memory of the parameter's size
+        param = owners.model.get_parameter(name)
+        params[name] = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    session = CapturedPass(
+        diff=list(params.values()),
+        params=params,
+        owners=owners,
+        batch_size=batch_size,
+        records=records,
+        unit_records={},
+        bias_records={},
+        losses=None,
+        light=[],
+        rng=None,
+        loss_values=losses.detach(),
+    )
+    return losses, session
 
 
-def _squared_norms(
-    sharded: ShardedModel,
-    records: dict[str, list[Any]],
-    losses: torch.Tensor,
-    batch_size: int,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each trainable parameter's ``(B,)`` squared norms (estimates), and their upper bounds
-    (estimate + rounding bound, what clip weights are formed from)."""
-    estimates: list[torch.Tensor] = []
-    uppers: list[torch.Tensor] = []
-    layers = sharded.layers if batch_size else {}  # (the rules reshape by the batch size)
-    for module_name, module in layers.items():
-        calls = layer_calls(module_name, records[module_name])
-        if not calls:  # its output did not reach the loss: zero gradients
-            continue
-        with torch.no_grad():
-            values = layer_squared_norms(module, calls)
-        for relative in sharded.owned[module_name]:
-            estimate, bound = cost.split(values[relative])
-            estimates.append(estimate)
-            uppers.append(estimate if bound is None else estimate + bound)
-    if not estimates:
-        zeros = losses.detach().new_zeros(batch_size)
-        return [zeros], [zeros]
-    return estimates, uppers
+def _squared_norms(session: CapturedPass, user_ids: Any) -> LeafSquaredNorms:
+    """Each trainable parameter's ``(B,)`` squared norms (per example, tied parameters'
+    cross terms included; or per user, in the row of the user's first example) and their
+    rounding bounds."""
+    if session.batch_size == 0:  # (the rules reshape by the batch size)
+        empty = [leaf.new_zeros(0) for leaf in session.diff]
+        return LeafSquaredNorms(empty, [None] * len(empty))
+    if user_ids is None:
+        return squared_norms(session, {})
+    return user_squared_norms(session, UserRows(user_ids, None))
 
 
 def _weighted_backward(
@@ -378,11 +508,6 @@ def _weighted_backward(
     """The gradient of ``sum_i w_i loss_i``, reduce-scattered by FSDP: each trainable
     parameter's shard of the sum over every process's examples. The parameters' ``.grad``
     are None before and after (the step empties them first)."""
-    by_name = {
-        full: layer.get_parameter(relative)
-        for name, layer in sharded.layers.items()
-        for relative, full in sharded.owned[name].items()
-    }
     keep = weights > 0
     if not bool(keep.all()):
         # an example of weight 0 (its gradient is not finite) must add exactly nothing, and
@@ -398,11 +523,75 @@ def _weighted_backward(
         weighted.sum().backward()
     summed = {}
     for full in sharded.trainable:
-        param = by_name[full]
+        param = sharded.owners.model.get_parameter(full)
         grad = param.grad
         param.grad = None
         summed[full] = torch.zeros_like(param) if grad is None else grad.mul_(sharded.world_size)
     return summed
+
+
+def _records_sum(
+    sharded: ShardedModel, session: CapturedPass, weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``sum_i w_i g_i`` over every process's examples, each trainable parameter's shard (a
+    DTensor like it, in ``trainable`` order): layer by layer, the rule's weighted sum of this
+    process's records in float32 (examples of weight 0 cleaned first, ``weighted_calls``),
+    the layer's records freed, and each parameter's sum all-reduced whole and cut to this
+    process's shard; a tied parameter's once its every use is added, after the other layers.
+    Collective: every process reduces the same parameters in the same order."""
+    owners = session.owners
+    groups = [(weights, list(range(len(session.diff))))]
+    tied: dict[str, torch.Tensor] = {}
+    summed = {}
+    for module_name, module in owners.modules.items():
+        records, session.records[module_name] = session.records[module_name], []
+        calls = layer_calls(module_name, records) if session.batch_size else []
+        del records
+        values: list[Any] = [None] * len(session.diff)
+        if calls:
+            add_layer_sums(session, module_name, module, calls, groups, weighted_calls, values)
+        del calls
+        for relative, _ in layer_parameters(module):
+            name = owners.name_in_params(module_name, relative)
+            if name is None:  # frozen
+                continue
+            value = values[session.index_of(name)]
+            if value is None:  # no call reached the loss (or no example here): zeros
+                value = session.params[name].new_zeros(session.params[name].shape)
+            if name in owners.tied:
+                tied[name] = tied[name] + value if name in tied else value
+            else:
+                summed[name] = _reduced_shard(sharded, name, value)
+    for name, value in tied.items():
+        summed[name] = _reduced_shard(sharded, name, value)
+    return {name: summed[name] for name in sharded.trainable}
+
+
+def _reduced_shard(sharded: ShardedModel, name: str, full: torch.Tensor) -> Any:
+    """This process's shard (a DTensor like parameter ``name``) of the sum over the
+    processes of ``full``, each one's full-size value (one all-reduce)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    param = sharded.owners.model.get_parameter(name)
+    if full.dtype != param.dtype:  # a sum rounded to the passes' precision: not bounded
+        raise PergradValueError(
+            f"DPOptimizer: the clipped sum of parameter {name!r} came out in {full.dtype}, "
+            f"not in its shard's {param.dtype}; this mixed-precision layout is not supported."
+        )
+    full = full.contiguous()
+    dist.all_reduce(full, group=sharded.group)
+    mesh = param.device_mesh
+    whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    local = whole.redistribute(mesh, param.placements).to_local().clone()
+    if local.shape != param.to_local().shape:
+        raise PergradValueError(
+            f"DPOptimizer: parameter {name!r}'s shard has shape {tuple(param.to_local().shape)} "
+            f"but its clipped sum's shard has {tuple(local.shape)}; this FSDP layout is not "
+            f"supported yet."
+        )
+    return DTensor.from_local(
+        local, mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
 
 
 def _rows(trees: list[Any], keep: torch.Tensor, batch_size: int) -> list[Any]:
@@ -413,68 +602,3 @@ def _rows(trees: list[Any], keep: torch.Tensor, batch_size: int) -> list[Any]:
         ),
         trees,
     )
-
-
-def add_noise(
-    summed: dict[str, torch.Tensor],
-    std: float,
-    generator: Any,
-    noise: NoiseMechanism,
-    state: Any,
-) -> tuple[dict[str, Any], Any]:
-    """``(summed plus the step's noise, in place; the mechanism's next state)``.
-
-    ``summed``: each parameter's DTensor shard of the clipped sum, in the single-process
-    order. Independent Gaussian noise: ``std * z`` drawn on rank 0 of the parameters' mesh
-    from its ``generator`` (the other ranks' are not used), at each parameter's full shape in
-    ``summed``'s order, and scattered shard by shard. Correlated noise: ``z`` drawn and
-    scattered the same way, and the mechanism's recursion run on this process's shards;
-    ``state`` (None at the first step) holds its buffers for these shards only. Collective;
-    a step past the mechanism's run is refused on every process before the noise's scatter."""
-    if isinstance(noise, CorrelatedNoise):
-        return _add_correlated(summed, std, generator, noise, state)
-    for name, shard in summed.items():
-
-        def scaled_draw(full: torch.Tensor, name: str = name) -> torch.Tensor:
-            return add_independent_gaussian({name: full}, std, generator, owned=True)[name]
-
-        shard.to_local().add_(_scattered(name, shard, scaled_draw))
-    return summed, state
-
-
-def _add_correlated(
-    summed: dict[str, Any], std: float, generator: Any, noise: CorrelatedNoise, state: Any
-) -> tuple[dict[str, Any], Any]:
-    shards = {name: shard.to_local() for name, shard in summed.items()}
-    if state is None:
-        state = noise.init(shards)
-    names = list(summed)
-
-    def draw(index: int, local: torch.Tensor) -> torch.Tensor:
-        name = names[index]
-        # (the draw is rank 0's, then scattered: the backend's draw, as add() would make it)
-        bk = backend_of(local, "DPOptimizer", "noise")
-        return _scattered(name, summed[name], lambda full: bk.standard_normal(generator, full))
-
-    _, state = noise.add_draws(shards, draw, std, state, owned=True)
-    return summed, state
-
-
-def _scattered(name: str, shard: Any, fill: Any) -> torch.Tensor:
-    """This process's shard (a local tensor shaped like ``shard``'s) of ``fill(zeros)``,
-    computed on rank 0 of the mesh at the parameter's full shape and scattered."""
-    from torch.distributed.tensor import distribute_tensor
-
-    mesh, local = shard.device_mesh, shard.to_local()
-    full = torch.zeros(shard.shape, dtype=shard.dtype, device=local.device)
-    if mesh.get_local_rank() == 0:  # distribute_tensor scatters mesh rank 0's values
-        full = fill(full)
-    values = distribute_tensor(full, mesh, shard.placements).to_local()
-    del full
-    if values.shape != local.shape:
-        raise PergradValueError(
-            f"DPOptimizer: parameter {name!r}'s shard has shape {tuple(local.shape)} but "
-            f"distribute_tensor gives its noise the shape {tuple(values.shape)}; this FSDP "
-            f"layout is not supported yet."
-        )
-    return values
