@@ -379,6 +379,42 @@ def test_jax_checkpointed_equals_unchecked(jax_x64):
     )
 
 
+def test_jax_calls_share_their_compiled_steps_only_when_they_read_the_same(jax_x64):
+    """A loop of one-target calls compiles its steps once (metagradient_jax._Program); a run
+    whose constant leaf or optimizer differs (same shapes, so jit alone would reuse) gets its
+    own, with the scores of a fresh compilation."""
+    import jax.numpy as jnp
+    import optax
+
+    from pergrad._src.influence import metagradient_jax
+
+    params0, data = jax_problem()
+    params0 = {**params0, "power": jnp.asarray(1)}  # an integer constant the loss reads
+
+    def loss(p, x, y):
+        return jax_loss(p, x, y) * p["power"]
+
+    def scores(params, optimizer, target=jax_target):
+        return np.asarray(influence.metagradient(loss, params, data, BATCHES, optimizer, target))
+
+    programs = metagradient_jax._PROGRAMS
+    programs.clear()
+    sgd = optax.sgd(0.5)
+    first = scores(params0, sgd)
+    (program,) = programs.values()
+    second = scores(params0, sgd, lambda p: jax_target(p)[:1])  # another target
+    assert list(programs.values()) == [program]
+    np.testing.assert_allclose(second[:, 0], first[:, 0], rtol=1e-12, atol=1e-15)
+    doubled = scores({**params0, "power": jnp.asarray(2)}, sgd)
+    slower = scores(params0, optax.sgd(0.1))
+    assert len(programs) == 3
+    programs.clear()
+    np.testing.assert_allclose(doubled, scores({**params0, "power": jnp.asarray(2)}, sgd))
+    programs.clear()
+    np.testing.assert_allclose(slower, scores(params0, optax.sgd(0.1)))
+    assert not np.allclose(doubled, first) and not np.allclose(slower, first)
+
+
 # --------------------------------------------------------------------------------------------
 # The attribution protocol, and bad input.
 

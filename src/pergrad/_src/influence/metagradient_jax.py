@@ -2,11 +2,14 @@
 
 The optimizer state is a list of leaves; the float ones carry adjoints, the others (optax's
 integer counts) are carried along as they come out of each update. Each step's functions are
-jitted once per batch size.
+jitted once per batch size, and kept (:class:`_Program`, the last few): a later call with the
+same loss, optimizer and parameters' structure (a loop over targets, one per call) reuses them
+instead of compiling again, which took most of a small run's time.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -61,10 +64,10 @@ class Replay:
         self.width = max(len(indices) for indices in run.batches)
         self._check_loss()
         state = self._init_state()
-        leaves, self.state_def = jax.tree_util.tree_flatten(state)
-        self.floats = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
-        self._step = jax.jit(self._step_fn)
-        self._reverse_step = jax.jit(self._reverse_step_fn)
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        floats = tuple(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+        self.floats = list(floats)
+        self.program = _Program.of(run, self.optimizer, state_def, floats, self.kept)
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -122,25 +125,13 @@ class Replay:
         padded[: len(values)] = values
         return jnp.asarray(padded, dtype=dtype)
 
-    def _losses(self, params: Any, batch: Any) -> Any:
-        return jax.vmap(lambda example: self.run.loss(self.unravel(params), *example))(batch)
-
-    def _update(self, hyper: Any, params: Any, leaves: list[Any], grad: Any) -> Any:
-        state = jax.tree_util.tree_unflatten(self.state_def, leaves)
-        params, state = self.optimizer.update(safe_sqrt, hyper, params, state, grad)
-        return params, jax.tree_util.tree_leaves(state)
-
-    def _step_fn(self, hyper: Any, params: Any, leaves: list[Any], batch: Any, scale: Any):
-        grad = jax.grad(lambda p: jnp.sum(scale * self._losses(p, batch)))(params)
-        return self._update(hyper, params, leaves, grad)
-
     def step(self, step: int, params: Any, leaves: list[Any], weights: np.ndarray) -> Any:
         total = len(weights) if not self.kept else float(np.sum(weights))
         if len(weights) == 0 or total == 0:
             return params, leaves
         batch, _ = self._batch(step)
         scale = self._scale(weights / total, params.dtype)
-        return self._step(self.run.hyper(step), params, leaves, batch, scale)
+        return self.program.step(self.run.hyper(step), params, leaves, batch, scale)
 
     def target_rows(self, params: Any, leaves: list[Any]) -> Any:
         def target(p: Any) -> Any:
@@ -152,6 +143,66 @@ class Replay:
             for x, f in zip(leaves, self.floats)
         ]
         return rows, zeros
+
+    def reverse_step(self, step, params, leaves, adjoint_params, adjoint_state):
+        batch, size = self._batch(step)
+        scale = self._scale(np.full(size, 1.0 / size), params.dtype)
+        hyper = self.run.hyper(step)
+        return self.program.reverse_step(
+            hyper, params, leaves, batch, scale, adjoint_params, adjoint_state
+        )
+
+    def zero_scores(self) -> Any:
+        k = jnp.atleast_1d(self.target(self.unravel(self.run.flat.vector))).shape[0]
+        return jnp.zeros((self.run.num_train, k), self.run.flat.vector.dtype)
+
+    def add_scores(self, scores: Any, step: int, terms: Any) -> Any:
+        indices = self.run.batches[step]
+        return scores.at[jnp.asarray(indices)].add(terms[:, : len(indices)].T)
+
+    def finish(self, scores: Any) -> Any:
+        return scores
+
+
+class _Program:
+    """The jitted step functions of a run, which read only the loss, the optimizer, the
+    parameters' structure (constants included) and the optimizer state's: kept in
+    :data:`_PROGRAMS` (the last :data:`_KEPT`) and shared by the runs that have the same."""
+
+    def __init__(self, run: Any, optimizer: Any, state_def: Any, floats: tuple, kept: bool):
+        self.loss, self.flat, self.optimizer = run.loss, run.flat, optimizer
+        self.state_def, self.floats, self.kept = state_def, list(floats), kept
+        self.user_optimizer = run.optimizer  # (its identity is part of the key)
+        self.step = jax.jit(self._step_fn)
+        self.reverse_step = jax.jit(self._reverse_step_fn)
+
+    @classmethod
+    def of(cls, run: Any, optimizer: Any, state_def: Any, floats: tuple, kept: bool) -> _Program:
+        key = _program_key(run, state_def, floats, kept)
+        if key is None:  # a constant that cannot be compared: compiled for this run alone
+            return cls(run, optimizer, state_def, floats, kept)
+        found = _PROGRAMS.get(key)
+        # the loss and the optimizer are compared by identity (a closure's constants, an
+        # optimizer's settings are not seen by ==): the entry holds them, so no id is reused
+        if found is None or found.loss is not run.loss or found.user_optimizer is not run.optimizer:
+            found = cls(run, optimizer, state_def, floats, kept)
+            _PROGRAMS[key] = found
+        _PROGRAMS.move_to_end(key)
+        while len(_PROGRAMS) > _KEPT:
+            _PROGRAMS.popitem(last=False)
+        return found
+
+    def _losses(self, params: Any, batch: Any) -> Any:
+        return jax.vmap(lambda example: self.loss(self.flat.unravel(params), *example))(batch)
+
+    def _update(self, hyper: Any, params: Any, leaves: list[Any], grad: Any) -> Any:
+        state = jax.tree_util.tree_unflatten(self.state_def, leaves)
+        params, state = self.optimizer.update(safe_sqrt, hyper, params, state, grad)
+        return params, jax.tree_util.tree_leaves(state)
+
+    def _step_fn(self, hyper: Any, params: Any, leaves: list[Any], batch: Any, scale: Any):
+        grad = jax.grad(lambda p: jnp.sum(scale * self._losses(p, batch)))(params)
+        return self._update(hyper, params, leaves, grad)
 
     def _reverse_step_fn(self, hyper, params, leaves, batch, scale, adjoint_params, adjoint_state):
         # scale: 1 / len(batch) for the real examples, 0 for the padding
@@ -185,21 +236,41 @@ class Replay:
         new_state = [next(it) if f else None for f in self.floats]
         return a_params + hessian_rows, new_state, terms
 
-    def reverse_step(self, step, params, leaves, adjoint_params, adjoint_state):
-        batch, size = self._batch(step)
-        scale = self._scale(np.full(size, 1.0 / size), params.dtype)
-        hyper = self.run.hyper(step)
-        return self._reverse_step(
-            hyper, params, leaves, batch, scale, adjoint_params, adjoint_state
-        )
 
-    def zero_scores(self) -> Any:
-        k = jnp.atleast_1d(self.target(self.unravel(self.run.flat.vector))).shape[0]
-        return jnp.zeros((self.run.num_train, k), self.run.flat.vector.dtype)
+# The programs of the last few runs: a loop of one-target calls compiles once.
+_KEPT = 4
+_PROGRAMS: OrderedDict[tuple, _Program] = OrderedDict()
 
-    def add_scores(self, scores: Any, step: int, terms: Any) -> Any:
-        indices = self.run.batches[step]
-        return scores.at[jnp.asarray(indices)].add(terms[:, : len(indices)].T)
 
-    def finish(self, scores: Any) -> Any:
-        return scores
+def _program_key(run: Any, state_def: Any, floats: tuple, kept: bool) -> tuple | None:
+    """What a run's step functions read, as a key (None when a constant leaf cannot be
+    compared): the loss's and optimizer's identities, the parameters' structure, shapes and
+    constant leaves (their values: ``unravel`` puts them in the program), the optimizer
+    state's structure, and the normalisation."""
+    flat = run.flat
+    constants = []
+    for i, leaf in enumerate(flat.leaves):
+        if i in flat.positions:
+            continue
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            value = np.asarray(leaf)
+            constants.append((value.shape, str(value.dtype), value.tobytes()))
+        else:
+            constants.append(leaf)
+    key = (
+        id(run.loss),
+        id(run.optimizer),
+        flat.treedef,
+        flat.positions,
+        flat.shapes,
+        str(flat.vector.dtype),
+        tuple(constants),
+        state_def,
+        floats,
+        kept,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
