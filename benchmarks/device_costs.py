@@ -24,13 +24,13 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
 from pergrad._src.capture import torch_layers
 from pergrad._src.capture.cost import FLOAT64_ACCELERATOR_COST, FLOAT64_COST, SYNC_COST
+from pergrad.bench.methods import synced
 from pergrad.bench.report import describe_device, markdown_table, publish, sentence_header
 from pergrad.bench.timing import median_ms, time_interleaved
 
@@ -70,19 +70,6 @@ def formed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return ((a.transpose(-1, -2) @ d) ** 2).sum((1, 2))
 
 
-def waited(call: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
-    """``call`` that returns only once the device has finished its work."""
-    if device.type != "cuda":
-        return call
-
-    def synchronized() -> Any:
-        result = call()
-        torch.cuda.synchronize(device)
-        return result
-
-    return synchronized
-
-
 def route_rows(device: torch.device, shapes: list[tuple[int, ...]], rounds: int) -> list[list[str]]:
     rows = []
     for batch, length, width_in, width_out in shapes:
@@ -96,7 +83,7 @@ def route_rows(device: torch.device, shapes: list[tuple[int, ...]], rounds: int)
             torch_layers.outer_product_squared_norms, a[:, None], d[:, None]
         )
         methods["forward"] = functools.partial(torch.matmul, a, w)
-        times = time_interleaved({k: waited(v, device) for k, v in methods.items()}, rounds, 2)
+        times = time_interleaved({k: synced(v, device) for k, v in methods.items()}, rounds, 2)
         ms = {name: median_ms(t) for name, t in times.items()}
         exact = gram(a, d, "float64")
         errors = [
@@ -125,7 +112,7 @@ def sync_ms(device: torch.device, rounds: int) -> float:
 def madds_per_s(device: torch.device, dtype: torch.dtype, size: int, rounds: int) -> float:
     """Multiply-adds per second of a ``size``-square matrix product in ``dtype``."""
     a = torch.randn(size, size, device=device, dtype=dtype)
-    times = time_interleaved({"mm": waited(lambda: a @ a, device)}, rounds, 2)["mm"]
+    times = time_interleaved({"mm": synced(lambda: a @ a, device)}, rounds, 2)["mm"]
     return size**3 / statistics.median(times)
 
 

@@ -26,68 +26,30 @@ import argparse
 import gc
 import math
 import warnings
-from typing import Any
 
 import torch
 
 from benchmarks.dp_transformers import (
     BASE,
     GPT2_SMALL,
-    LEARNING_RATE,
     METHODS,
-    PERGRAD,
     PRIVATE,
     QUICK,
     Config,
     Step,
     Workload,
-    batch,
+    build_step,
     failure,
-    hf_model,
-    loss_fn,
-    opacus_step,
-    pergrad_step,
 )
+from pergrad.bench.methods import synced
 from pergrad.bench.report import describe_device, markdown_table, publish, sentence_header
 from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
 
-def to_device(tree: Any, device: torch.device) -> Any:
-    if isinstance(tree, dict):
-        return {k: v.to(device) for k, v in tree.items()}
-    return tree.to(device)
-
-
 def build(method: str, workload: Workload, config: Config, device: torch.device, noise: float):
-    torch.manual_seed(0)
-    with device:  # initialised on the device: seconds less per GPT-2 small on a GPU
-        model = hf_model(workload.model, config, workload.length).train()
-    inputs, targets = batch(workload, config)
-    inputs, targets = to_device(inputs, device), to_device(targets, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    if method == BASE:
-
-        def plain_step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(**inputs), targets).backward()
-            optimizer.step()
-
-        step = Step(plain_step)
-    elif method in PERGRAD:
-        step = pergrad_step(
-            model, optimizer, inputs, targets, workload.batch_size, noise, PERGRAD[method]
-        )
-    else:
-        step = opacus_step(method, model, optimizer, inputs, targets, workload, noise)
-    step.model = model
-    call = step.call
-    if device.type == "cuda":
-
-        def waited() -> None:
-            call()
-            torch.cuda.synchronize(device)
-
-        step.call = waited
+    """``dp_transformers.build_step`` on ``device``, each call waited for there."""
+    step = build_step(method, workload, config, noise, device)
+    step.call = synced(step.call, device)
     return step
 
 
