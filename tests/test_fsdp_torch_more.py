@@ -270,6 +270,7 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
 
     # What stays refused.
     seen["refused"] = refusals(world_size, rank)
+    seen["low memory alive"], seen["low memory"] = low_memory_steps(world_size, rank, data)
 
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
@@ -277,6 +278,33 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def low_memory_steps(world_size: int, rank: int, data: Any) -> tuple[list[int], Any]:
+    """The float32 example-level steps, with a spy on the norms computed in the backward pass:
+    at each layer's, how many output gradients of the layers completed before are still held
+    (the low-memory norm pass drops them), and the parameters after the steps."""
+    from pergrad._src.torch import fsdp
+
+    original, completed, alive = fsdp._norms_in_hook, [], []
+
+    def spy(computed: Any, name: str, layer: Any, records: list[Any]) -> bool:
+        alive.append(sum(r.output_grad is not None for rs in completed for r in rs))
+        done = original(computed, name, layer, records)
+        completed.append(records)
+        return done
+
+    fsdp._norms_in_hook = spy
+    try:
+        model = make_mlp()
+        shard(model, [model[0], model[2]])
+        optimizer = dp_optimizer(model, F.cross_entropy, noise_multiplier=0.0, distributed=True)
+        for indices in batches(world_size, rank):
+            completed.clear()
+            optimizer.step(data[0][indices], data[1][indices])
+    finally:
+        fsdp._norms_in_hook = original
+    return alive, gathered(model)
 
 
 def refusals(world_size: int, rank: int) -> dict[str, str]:
@@ -536,6 +564,18 @@ def test_what_stays_refused_is_refused_by_name(workers):
         for case, message in expected.items():
             got = seen[rank]["refused"][case]
             assert got.startswith("PergradValueError: DPOptimizer") and message in got, got
+
+
+def test_the_norm_pass_drops_each_layers_output_gradients_once_its_norms_are_in(workers):
+    """Low memory on FSDP2 (float32, example level): each layer's norms are computed in the
+    backward pass, and no layer completed before still holds its output gradients then; the
+    steps are the single-process steps."""
+    world_size, seen = workers
+    _, expected = reference_steps(make_mlp(), make_data(), batches(), noise_multiplier=0.0)
+    for rank in range(world_size):
+        alive = seen[rank]["low memory alive"]
+        assert len(alive) >= 2 * STEPS and set(alive) == {0}, alive  # two layers a step
+        assert_params_equal(seen[rank]["low memory"], expected)
 
 
 def test_the_user_batches_hold_users_of_several_examples_on_both_processes():

@@ -50,6 +50,7 @@ shard), a custom ``set_gradient_divide_factor``, and a user on two processes in 
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from dataclasses import dataclass
@@ -69,10 +70,11 @@ from pergrad._src.capture.torch_plan import Ownership, ownership
 from pergrad._src.capture.torch_quantities import (
     LeafSquaredNorms,
     add_layer_sums,
+    layer_squared_norms,
     squared_norms,
     weighted_calls,
 )
-from pergrad._src.capture.torch_session import CapturedPass
+from pergrad._src.capture.torch_session import CapturedPass, when_complete
 from pergrad._src.capture.torch_users import UserRows, user_squared_norms
 from pergrad._src.core.module_loss import ModuleLoss
 from pergrad._src.dp.clipping import ClipWeights, clip_statistics, clip_weights
@@ -295,20 +297,28 @@ def clipped_sum_run(
     inputs, targets = list(batch[: loss.num_inputs]), list(batch[loss.num_inputs :])
     batch_size = _batch_size(func_name, inputs)
     user_ids = _checked_user_ids(func_name, sharded, user_ids, step_users, batch_size)
-    losses, session = _norm_pass(sharded, loss, inputs, targets, batch_size)
-    bk = backend_of(losses, func_name, "losses")
-    try:
-        squared = _squared_norms(session, user_ids)
-    except Unsupported as err:  # no fallback here: the chunked strategy cannot take DTensors
-        raise PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {_HINT}.") from err
-    uppers = [e if b is None else e + b for e, b in zip(squared, squared.bounds)]
-    norms = global_norms(list(squared))
-    weights, per_example = _clip_weights(bk, global_norms(uppers), max_norm, clipping, user_ids)
+    # Low memory: each layer's norms in the backward pass as its output gradients arrive,
+    # which are then dropped (the clipped sum comes from a second, weighted backward pass).
+    # Not where the sum must come from the records (low precision) or the norms need them
+    # all (users' norms).
+    low_memory = user_ids is None and sharded.low_precision is None and not autocast
+    losses, session, computed = _norm_pass(sharded, loss, inputs, targets, batch_size, low_memory)
     from_records = _any_process(
         sharded.group,
         sharded.low_precision is not None or autocast or _low_precision(session),
         losses.device,
     )
+    if from_records and low_memory:  # a cast no setting showed: the pass again, records kept
+        del session
+        losses, session, computed = _norm_pass(sharded, loss, inputs, targets, batch_size, False)
+    bk = backend_of(losses, func_name, "losses")
+    try:
+        squared = _squared_norms(session, user_ids, computed)
+    except Unsupported as err:  # no fallback here: the chunked strategy cannot take DTensors
+        raise PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {_HINT}.") from err
+    uppers = [e if b is None else e + b for e, b in zip(squared, squared.bounds)]
+    norms = global_norms(list(squared))
+    weights, per_example = _clip_weights(bk, global_norms(uppers), max_norm, clipping, user_ids)
     if from_records:
         with torch.no_grad():  # (the records are activations of the graph)
             summed = _records_sum(sharded, session, per_example)
@@ -445,14 +455,22 @@ def _norm_pass(
     inputs: list[Any],
     targets: list[Any],
     batch_size: int,
-) -> tuple[torch.Tensor, CapturedPass]:
-    """The per-example losses, and every layer's records, output gradients filled, as a
+    low_memory: bool,
+) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]]]:
+    """The per-example losses, every layer's records, output gradients filled, as a
     :class:`~pergrad._src.capture.torch_session.CapturedPass` whose parameters are stand-ins
-    (the reductions read their names, shapes and dtypes only; the rules read the records)."""
+    (the reductions read their names, shapes and dtypes only; the rules read the records), and
+    the norms computed in the pass (``low_memory``: each layer that shares no parameter, as
+    soon as its output gradients are in, which are then dropped; a layer whose gradients are
+    in a precision below float32 keeps them, for the caller to see)."""
     owners = sharded.owners
+    computed: dict[str, dict[str, Any]] = {}
     with torch.enable_grad():
         with capturing(owners.modules, batch_size) as records:
             losses = _losses(loss, inputs, targets, batch_size)
+        if low_memory:
+            unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
+            when_complete(unshared, records, functools.partial(_norms_in_hook, computed))
         outputs = [r.output for rs in records.values() for r in rs if r.hooked]
         for layer_records in records.values():
             for record in layer_records:
@@ -482,10 +500,24 @@ def _norm_pass(
         rng=None,
         loss_values=losses.detach(),
     )
-    return losses, session
+    return losses, session, computed
 
 
-def _squared_norms(session: CapturedPass, user_ids: Any) -> LeafSquaredNorms:
+def _norms_in_hook(
+    computed: dict[str, dict[str, Any]], name: str, layer: nn.Module, records: list[Any]
+) -> bool:
+    """``when_complete``'s callback: the layer's norms into ``computed`` (True: its output
+    gradients may go), unless one is below float32 (False: kept)."""
+    grads = [r.output_grad for r in records if r.output_grad is not None]
+    if any(g.is_floating_point() and g.element_size() < 4 for g in grads):
+        return False
+    computed[name] = layer_squared_norms(layer, layer_calls(name, records))
+    return True
+
+
+def _squared_norms(
+    session: CapturedPass, user_ids: Any, computed: dict[str, dict[str, Any]]
+) -> LeafSquaredNorms:
     """Each trainable parameter's ``(B,)`` squared norms (per example, tied parameters'
     cross terms included; or per user, in the row of the user's first example) and their
     rounding bounds."""
@@ -493,7 +525,7 @@ def _squared_norms(session: CapturedPass, user_ids: Any) -> LeafSquaredNorms:
         empty = [leaf.new_zeros(0) for leaf in session.diff]
         return LeafSquaredNorms(empty, [None] * len(empty))
     if user_ids is None:
-        return squared_norms(session, {})
+        return squared_norms(session, computed)
     return user_squared_norms(session, UserRows(user_ids, None))
 
 
