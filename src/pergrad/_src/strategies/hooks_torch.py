@@ -39,6 +39,7 @@ that. Pass ``strategy="loop"`` for such models.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,8 +160,11 @@ def value_and_grads(
         rows = tuple(v[start : start + chunk] for v in batched_values)
         size = min(chunk, batch_size - start)
         results.append(_one_pass(spec, call, hooks_plan, diff_values, rows, size, verify))
-    losses = torch.cat([r[0] for r in results])
-    grads = [torch.cat(column) for column in zip(*(r[1] for r in results))]
+    if len(results) == 1:  # one chunk: its tensors as they are (a cat would copy B x P numbers)
+        losses, grads = results[0][0], list(results[0][1])
+    else:
+        losses = torch.cat([r[0] for r in results])
+        grads = [torch.cat(column) for column in zip(*(r[1] for r in results))]
     if verify and _check_examples_independent(
         spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
     ):
@@ -395,7 +399,8 @@ def _check_sums(
         batch_grad = batch_grads[position[id(leaf)]]
         total = per_example.sum(0)
         want = torch.zeros_like(total) if batch_grad is None else batch_grad.detach()
-        scale = (per_example.shape[0] * (per_example**2).sum()).sqrt()
+        # sqrt(B sum_i |g_i|^2), without a B x P temporary of squares
+        scale = math.sqrt(per_example.shape[0]) * torch.linalg.vector_norm(per_example)
         scale = scale + torch.linalg.vector_norm(want)
         checks.append((name, torch.linalg.vector_norm(total - want), scale, want.dtype))
     if not checks:
