@@ -13,7 +13,7 @@ matplotlib are optional (a peer that is not installed is skipped with a note). T
 ``workloads`` (the models, in torch and JAX), ``methods`` (what is timed), ``timing``,
 ``memory`` (peak memory in a fresh process), ``child`` (a function run in a child process),
 ``machine`` (the machine, for headers), ``report`` (tables, headers and plots), ``cli`` (the
-command). The scripts in the repository's ``benchmarks/`` use the same ``timing``, ``memory``,
+command), ``host_syncs`` (the host syncs and kernels of a piece of code, counted on any device). The scripts in the repository's ``benchmarks/`` use the same ``timing``, ``memory``,
 ``child``, ``machine`` and ``report``.
 """
 

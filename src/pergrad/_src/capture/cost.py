@@ -46,13 +46,25 @@ FAST_MARGIN = 1 / 8
 # True: the dense routes run in the operands' precision with a certified bound (issue 36);
 # False: the Gram route in float64 as before, for a benchmark's baseline (read at each call).
 FAST_NORMS = True
+# True: a ghost step's host reads (which layers' certified norms to tighten, whether a tied
+# parameter's uses cancel, whether every norm is finite) are made at once, after every layer's
+# norms (torch_quantities.squared_norms); False: each where it arises, as before, for a
+# benchmark's baseline (benchmarks/dp_step_profile.py --legacy-syncs; read at each call).
+DEFERRED_READS = True
 
 # Reading on the host which examples' certified norms need float64 stalls it until an
-# accelerator has caught up: about 20 us, the time of this many float32 multiply-adds of a
-# matrix product on a current GPU (not measured yet on one). Where computing every example again
-# costs less (FLOAT64_ACCELERATOR_COST per multiply-add), the tightening does so instead,
-# without reading anything (torch_norms._tightened). A CPU has nothing to wait for.
+# accelerator has caught up: about this many float32 multiply-adds of a matrix product
+# (measured on an NVIDIA H100: a read 0.035 ms, 2.4e13 multiply-adds/s in IEEE float32, so
+# 8.6e8; benchmarks/results/nvidia-h100-80gb-hbm3/device_costs.md). Where computing every
+# example again costs less (FLOAT64_ACCELERATOR_COST per multiply-add), the tightening does so
+# instead, without reading anything (torch_norms._tightened). Where the ghost step can, it
+# reads every layer's flags at once instead (DEFERRED_READS), and this choice is left to the
+# layers that are reduced alone (the low-memory mode's hooks, user-level norms, a loose layer
+# computed again). A CPU has nothing to wait for.
 SYNC_COST = 10**9
+# On the H100 a float64 multiply-add cost 0.86 float32 ones (2.8e13 against 2.4e13 per second),
+# but float64 runs at 1/32 to 1/64 of float32's rate on most other GPUs: 16 keeps those from
+# computing whole layers again in float64, at the cost of a read on the ones with fast float64.
 FLOAT64_ACCELERATOR_COST = 16
 
 

@@ -366,6 +366,21 @@ def lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any]
     return indices, output_grads, keys
 
 
+def distinct_slots(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(keys, return_inverse=True)`` padded to ``len(keys)`` slots, without the
+    host read of the number of distinct keys (on an accelerator, a stall until it has caught
+    up): ``(slot_keys, slot_of_position)``, the distinct keys in increasing order in the first
+    slots, 0 in the slots past them, and each position's slot. A sum per slot then adds the
+    same terms in the same order as per distinct key, and the empty slots add zeros."""
+    sorted_keys, order = torch.sort(keys)
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    slot_sorted = starts.cumsum(0).sub_(1)
+    slot_of_position = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
+    slot_keys = torch.zeros_like(keys).scatter_(0, slot_sorted, sorted_keys)
+    return slot_keys, slot_of_position
+
+
 def embedding_per_example(layer: nn.Embedding, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     _, output_grads, keys = lookups(layer, calls)
     batch, width = output_grads.shape[0], layer.embedding_dim
@@ -408,11 +423,11 @@ def embedding_squared_norms(layer: nn.Embedding, calls: list[LayerCall]) -> dict
     the squared norm is the sum over the distinct rows of the squared norm of that sum."""
     indices, output_grads, keys = lookups(layer, calls)
     batch, width = output_grads.shape[0], layer.embedding_dim
-    unique_keys, row_of_position = torch.unique(keys, return_inverse=True)
-    row_sums = output_grads.new_zeros(unique_keys.shape[0], width)
-    row_sums.index_add_(0, row_of_position, output_grads.reshape(-1, width))
+    slot_keys, slot_of_position = distinct_slots(keys)
+    row_sums = output_grads.new_zeros(keys.shape[0], width)
+    row_sums.index_add_(0, slot_of_position, output_grads.reshape(-1, width))
     squared = output_grads.new_zeros(batch)
-    squared.index_add_(0, unique_keys // layer.num_embeddings, (row_sums**2).sum(1))
+    squared.index_add_(0, slot_keys // layer.num_embeddings, (row_sums**2).sum(1))
     if not cost.FAST_NORMS:
         return {"weight": squared}
     # each row's sum of at most T output gradients is within gamma_T of the sum of their sizes

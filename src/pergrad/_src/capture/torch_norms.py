@@ -9,7 +9,10 @@ sums of squares (a bias's, a table's rows') with theirs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,8 +60,12 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
     if gram and not fast and _has_float64(activations):
         # the fast precision could not certify a Gram sum tightly: float64, as before
         return _in_chunks(activations, output_grads, _gram_in, 0.0, wide=True)
-    route = _gram_in if gram else _formed_in
-    found = _in_chunks(activations, output_grads, route, input_unit)
+    replay = _REPLAY.get()
+    if replay is not None and _has_float64(activations):
+        found = next(replay)  # this call's fast result, from the deferred pass (replayed)
+    else:
+        route = _gram_in if gram else _formed_in
+        found = _in_chunks(activations, output_grads, route, input_unit)
     return _tightened(found, activations, output_grads, gram)
 
 
@@ -170,10 +177,16 @@ def _tightened(
     device catches up, once per layer: where every example again in float64 costs less than
     such a stall (``cost.tighten_without_sync``: small layers, whose kernels are too short to
     hide it) every example is computed again and the loose ones' values taken by a mask,
-    without the host ever waiting; a larger layer's work hides the stall, and it is read."""
+    without the host ever waiting; a larger layer's work hides the stall, and it is read.
+    Within :func:`deferred_tightening` (a ghost step's norms) nothing is read here: the caller
+    checks every layer's at once and runs a loose layer's rule again under :func:`replayed`."""
     if not _has_float64(activations):
         return found
-    loose = found.bound > cost.ROUNDING_TOLERANCE * found.estimate
+    deferred = _DEFERRED.get()
+    if deferred is not None:  # checked later, with every other layer's (deferred_tightening)
+        deferred.append(found)
+        return found
+    loose = _loose(found)
     route = _gram_in if gram else _formed_in
     if _without_sync(activations, output_grads):
         exact = _in_chunks(activations, output_grads, route, 0.0, wide=True)
@@ -189,6 +202,72 @@ def _tightened(
         found.estimate.index_copy(0, rows, exact.estimate),
         found.bound.index_copy(0, rows, exact.bound),
     )
+
+
+@contextlib.contextmanager
+def deferred_tightening() -> Iterator[list[Any]]:
+    """Within it, :func:`outer_product_squared_norms` tightens nothing: it returns each
+    certified norm (a ``cost.Certified`` pair) as the fast precision gave it (``estimate +
+    bound`` is already an upper bound of the exact squared norm, only a looser one) and appends
+    it to the list this yields, so that the caller checks every layer's at once
+    (:func:`loose_flags`, one host read a step: ``torch_quantities.squared_norms``) and tightens
+    only the layers where some example's bound is loose (:func:`replayed`)."""
+    found: list[Any] = []
+    token = _DEFERRED.set(found)
+    try:
+        yield found
+    finally:
+        _DEFERRED.reset(token)
+
+
+# The certified norms of the enclosing deferred_tightening, None outside one.
+_DEFERRED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "pergrad_deferred_tightening", default=None
+)
+
+
+@contextlib.contextmanager
+def replayed(found: list[Any]) -> Iterator[None]:
+    """Within it, :func:`outer_product_squared_norms` takes its fast-precision result from
+    ``found`` (what :func:`deferred_tightening` collected from the same rule on the same
+    records, in the order of its calls) instead of computing it again, and tightens it: a loose
+    layer's second run costs only its float64 examples."""
+    token = _REPLAY.set(iter(found))
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+_REPLAY: contextvars.ContextVar[Iterator[Any] | None] = contextvars.ContextVar(
+    "pergrad_replayed_norms", default=None
+)
+
+
+def loose_flags(found: list[Any]) -> tuple[torch.Tensor, list[int]]:
+    """Whether some example of each certified norm in ``found`` (``cost.Certified`` pairs of
+    ``(B,)`` tensors, at least one) has a bound over ``cost.ROUNDING_TOLERANCE`` of its
+    estimate, the test :func:`_tightened` makes: a boolean tensor on the device, one flag per
+    pair, and the pairs' positions in ``found`` in its order. The pairs of one dtype and
+    device are checked together: a few kernels, whatever their number."""
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for k, pair in enumerate(found):
+        groups.setdefault((pair.estimate.dtype, pair.estimate.device), []).append(k)
+    flags = []
+    for positions in groups.values():
+        estimates = torch.stack([found[k].estimate for k in positions])
+        bounds = torch.stack([found[k].bound for k in positions])
+        flags.append(_loose(cost.Certified(estimates, bounds)).any(1))
+    order = [k for positions in groups.values() for k in positions]
+    if len(flags) == 1:
+        return flags[0], order
+    return torch.cat([f.to(flags[0].device) for f in flags]), order
+
+
+def _loose(found: Any) -> torch.Tensor:
+    """``(B,)`` whether each example's bound exceeds ``cost.ROUNDING_TOLERANCE`` of its
+    estimate: it is computed again in float64."""
+    return found.bound > cost.ROUNDING_TOLERANCE * found.estimate
 
 
 def _without_sync(activations: torch.Tensor, output_grads: torch.Tensor) -> bool:

@@ -21,13 +21,20 @@ gives the values per differentiated leaf, in the core's flat order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from pergrad._src.capture import cost, torch_generic, torch_position_bias, torch_tied
+from pergrad._src.capture import (
+    cost,
+    torch_generic,
+    torch_norms,
+    torch_position_bias,
+    torch_tied,
+)
 from pergrad._src.capture.quantities import Formed
 from pergrad._src.capture.rules import (
     full_float32,
@@ -58,11 +65,15 @@ class LeafSquaredNorms(list):
     """Each leaf's ``(B,)`` squared norms, the best estimates (the list itself, what
     ``CapturedPass.squared`` holds), and ``bounds``: each leaf's ``(B,)`` bound on its
     estimate's rounding error (``cost.Certified``), None where the rule gave none (computed in
-    float64, or formed as a materialised gradient is)."""
+    float64, or formed as a materialised gradient is). ``all_finite``: whether every estimate
+    is finite, where :func:`squared_norms` read it with its other flags (None: not read)."""
 
-    def __init__(self, estimates: list[Any], bounds: list[Any]) -> None:
+    def __init__(
+        self, estimates: list[Any], bounds: list[Any], all_finite: bool | None = None
+    ) -> None:
         super().__init__(estimates)
         self.bounds = bounds
+        self.all_finite = all_finite
 
 
 @full_float32()  # TF32 off: the certified bounds assume float32's rounding
@@ -71,18 +82,104 @@ def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) ->
     :class:`LeafSquaredNorms`): the layers' from their records (those in ``computed``, layer
     name -> its rule's norms, were reduced in their tensor hooks), the tied parameters' from
     their uses, the formed per-example gradients' (``session.unit_grads``), and zeros where no
-    hook saw the parameter (a layer whose output did not reach the loss)."""
+    hook saw the parameter (a layer whose output did not reach the loss).
+
+    What the host must know on the way (which layers have an example whose certified norm is
+    loose, ``torch_norms.deferred_tightening``; whether a tied parameter's uses cancel; whether
+    every norm is finite, for ``ghost_torch``) is read in one go at the end: on an accelerator
+    each read stalls the host until the device has caught up, and one a layer would cost a
+    step tens of them. Only the layers a flag names run their rule again, their fast results
+    replayed (``torch_norms.replayed``) and tightened as before, with a read each; the same
+    values, bit for bit, as with ``cost.DEFERRED_READS`` off (each layer reads where it
+    runs)."""
+    owners = session.owners
+    rest = {
+        n: m for n, m in owners.modules.items() if n not in owners.sharing and n not in computed
+    }
+    if not cost.DEFERRED_READS:
+        layers = _layer_norms(rest, session.records, owners, layer_squared_norms)
+        return _leaf_norms(session, computed, layers, _tied_squared_norms(session))
+    loose: dict[str, list[Any]] = {}
+    layers = _layer_norms(rest, session.records, owners, _deferred_norms(rest, loose))
+    tied, tied_loose, cancelling = _tied_deferred(session)
+    found = _leaf_norms(session, computed, layers, tied)
+    finite = all_finite(found)
+    checked = [pair for pairs in loose.values() for pair in pairs] + tied_loose
+    owner_of = [name for name, pairs in loose.items() for _ in pairs] + [None] * len(tied_loose)
+    pair_flags, order = torch_norms.loose_flags(checked) if checked else (None, [])
+    flags = finite.new_zeros(0)
+    if cancelling or pair_flags is not None:
+        pieces = cancelling if pair_flags is None else [*cancelling, pair_flags]
+        flags = torch.cat([f.reshape(-1).to(finite.device) for f in pieces])
+    # the one host read: whether every norm is finite, and whether any is to compute again
+    summary = int(finite.to(torch.int64) + 2 * flags.any().to(torch.int64))
+    if summary < 2:
+        found.all_finite = bool(summary)
+        return found
+    # (rare: some example's positions or a tied parameter's uses cancel) which ones
+    read = flags.tolist()
+    cancel, pairs_read = read[: len(cancelling)], read[len(cancelling) :]
+    again = {owner_of[k] for k, flag in zip(order, pairs_read) if flag}
+    for name in loose:
+        if name in again:  # its fast results again, tightened
+            with torch_norms.replayed(loose[name]):
+                layers.update(_layer_norms({name: rest[name]}, session.records, owners))
+    if any(cancel) or None in again:
+        tied = _tied_squared_norms(session, tied_loose)
+    return _leaf_norms(session, computed, layers, tied)
+
+
+def all_finite(squared: list[Any]) -> torch.Tensor:
+    """0-d boolean tensor on the norms' device: whether every ``(B,)`` squared norm of every
+    leaf in ``squared`` is finite (three kernels, whatever the number of leaves)."""
+    return torch.isfinite(torch.stack([x.detach() for x in squared])).all()
+
+
+def _deferred_norms(
+    modules: dict[str, nn.Module], loose: dict[str, list[Any]]
+) -> Callable[[nn.Module, list[LayerCall]], dict[str, Any]]:
+    """:func:`layer_squared_norms` in ``torch_norms.deferred_tightening``: each layer's
+    certified norms still to check, into ``loose`` under the layer's name."""
+    names = {id(module): name for name, module in modules.items()}
+
+    def deferred(module: nn.Module, calls: list[LayerCall]) -> dict[str, Any]:
+        with torch_norms.deferred_tightening() as found:
+            values = layer_squared_norms(module, calls)
+        if found:
+            loose[names[id(module)]] = found
+        return values
+
+    return deferred
+
+
+def _layer_norms(
+    modules: dict[str, nn.Module],
+    records: dict[str, list[LayerRecord]],
+    owners: Ownership,
+    compute: Callable[[nn.Module, list[LayerCall]], dict[str, Any]] = layer_squared_norms,
+) -> dict[str, Any]:
+    """``{parameter name: (B,) squared norms}`` of the hooked layers ``modules``."""
+    return dict(_per_layer(modules, records, compute, owners))
+
+
+def _leaf_norms(
+    session: CapturedPass,
+    computed: dict[str, dict[str, Any]],
+    layers: dict[str, Any],
+    tied: dict[str, Any],
+) -> LeafSquaredNorms:
+    """:func:`squared_norms` from the layers' (``layers``, by parameter name, and ``computed``)
+    and the tied parameters' norms: in the leaves' order, with the formed gradients' and
+    zeros."""
     owners = session.owners
     squared: list[Any] = [None] * len(session.diff)
-    sharing = owners.sharing
-    rest = {n: m for n, m in owners.modules.items() if n not in sharing and n not in computed}
-    for name, values in _per_layer(rest, session.records, layer_squared_norms, owners):
+    for name, values in layers.items():
         squared[session.index_of(name)] = values
     for module_name, values in computed.items():
         layer_calls(module_name, session.records[module_name])  # raises for an unread output grad
         for name, value in owners.named(module_name, values):
             squared[session.index_of(name)] = value
-    for name, values in _tied_squared_norms(session).items():
+    for name, values in tied.items():
         squared[session.index_of(name)] = values
     batch_size = session.batch_size
     for name, grads in session.unit_grads.items():
@@ -112,28 +209,51 @@ def _per_layer(
         yield from owners.named(module_name, values)
 
 
-def _tied_squared_norms(session: CapturedPass) -> dict[str, Any]:
+def _tied_squared_norms(session: CapturedPass, replay: list[Any] | None = None) -> dict[str, Any]:
     """Squared norms of the parameters of the layers that share one: each layer's rule gives
     its own parameters' norms, and each shared parameter's adds its uses' norms and their cross
     terms in float64 (``torch_tied.py``). Where some example's uses nearly cancel, the rules
     run again on float64 copies of the calls. Layers whose output did not reach the loss add
-    nothing."""
-    sharing = sorted(session.owners.sharing)
-    calls = {owner: layer_calls(owner, session.records[owner]) for owner in sharing}
-    result, exact_enough = _tied_pass(session, calls)
-    if not exact_enough:
+    nothing. ``replay``: the fast results of :func:`_tied_deferred`'s pass, taken again
+    (``torch_norms.replayed``) instead of computed."""
+    calls = _sharing_calls(session)
+    with torch_norms.replayed(replay) if replay is not None else contextlib.nullcontext():
+        result, cancelling = _tied_pass(session, calls)
+    if cancelling and bool(torch.stack(cancelling).any()):
         wide = {owner: torch_tied.widened(owner_calls) for owner, owner_calls in calls.items()}
         result, _ = _tied_pass(session, wide)
     return result
 
 
+def _tied_deferred(
+    session: CapturedPass,
+) -> tuple[dict[str, Any], list[Any], list[torch.Tensor]]:
+    """:func:`_tied_squared_norms`' first pass, from the calls as they are, and without a host
+    read: its certified norms still to check (``torch_norms.deferred_tightening``) and its 0-d
+    flags of uses that cancel. Where one is loose or one flag true, :func:`_tied_squared_norms`
+    computes them again."""
+    if not session.owners.sharing:
+        return {}, [], []
+    with torch_norms.deferred_tightening() as found:
+        result, cancelling = _tied_pass(session, _sharing_calls(session))
+    return result, found, cancelling
+
+
+def _sharing_calls(session: CapturedPass) -> dict[str, list[LayerCall]]:
+    return {
+        owner: layer_calls(owner, session.records[owner])
+        for owner in sorted(session.owners.sharing)
+    }
+
+
 def _tied_pass(
     session: CapturedPass, calls: dict[str, list[LayerCall]]
-) -> tuple[dict[str, Any], bool]:
-    """:func:`_tied_squared_norms` from the sharing layers' ``calls`` as they are, and whether
-    every tied sum is :func:`torch_tied.well_conditioned` (always, for float64 calls)."""
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """:func:`_tied_squared_norms` from the sharing layers' ``calls`` as they are, and for each
+    tied sum not in float64 a 0-d flag: whether some example's uses cancel (not
+    :func:`torch_tied.well_conditioned`), read by the caller."""
     owners, params, modules = session.owners, session.params, session.owners.modules
-    result, exact_enough = {}, True
+    result, cancelling = {}, []
     with torch.no_grad():
         own = {
             owner: layer_squared_norms(modules[owner], owner_calls)
@@ -151,13 +271,13 @@ def _tied_pass(
                 total = torch_tied.tied_squared_norms(
                     [torch_tied.Use(modules[o], a, calls[o]) for o, a in present], list(terms)
                 )
-                wide = all(t.dtype == torch.float64 for t in terms)
-                exact_enough &= wide or torch_tied.well_conditioned(total, list(terms))
+                if not all(t.dtype == torch.float64 for t in terms):
+                    cancelling.append(~torch_tied.well_conditioned(total, list(terms)))
                 # the cross terms are float64; each use's own norm brings its bound
                 own_bounds = [b for b in bounds if b is not None]
                 found = cost.Certified(total, sum(own_bounds)) if own_bounds else total
                 result[name] = found.to(params[name].dtype)
-    return result, exact_enough
+    return result, cancelling
 
 
 def formed_gradients(session: CapturedPass) -> dict[str, torch.Tensor]:

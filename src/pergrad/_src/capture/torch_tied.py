@@ -132,12 +132,13 @@ def widened(calls: list[LayerCall]) -> list[LayerCall]:
     return [LayerCall(tuple(wide(x) for x in c.inputs), wide(c.output_grad)) for c in calls]
 
 
-def well_conditioned(total: torch.Tensor, squared_norms: list[torch.Tensor]) -> bool:
-    """Whether every example's tied squared norm ``total`` is at least
-    :data:`CANCELLATION_FLOOR` of the sum of its uses' own ``squared_norms``: then the own
-    norms' rounding in the model's dtype stays small in the total."""
+def well_conditioned(total: torch.Tensor, squared_norms: list[torch.Tensor]) -> torch.Tensor:
+    """0-d boolean tensor, on the device (the caller reads it, with others, on the host):
+    whether every example's tied squared norm ``total`` is at least :data:`CANCELLATION_FLOOR`
+    of the sum of its uses' own ``squared_norms``; then the own norms' rounding in the model's
+    dtype stays small in the total."""
     own = sum(wide(norms) for norms in squared_norms)
-    return bool((total >= CANCELLATION_FLOOR * own).all())
+    return (total >= CANCELLATION_FLOOR * own).all()
 
 
 def tied_squared_norms(uses: list[Use], squared_norms: list[torch.Tensor]) -> torch.Tensor:

@@ -93,8 +93,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from pergrad._src.capture import (
     cost,
     torch_passes,
@@ -239,11 +237,13 @@ def _reduce(
     upper = Reduction(squared, None, rounding_bounds=bounds).upper_squared_norms()
     # The clipped sum from the same inputs and output gradients, each example's scaled by its
     # weight: one weight-gradient computation, no second backward pass. A non-finite record
-    # makes its example's squared norm non-finite, so when every norm is finite (one host sync)
-    # no record needs cleaning before the weighted sums (see weighted_calls). (Not so for
-    # users' norms, which leave out padding: ``always_clean``.)
-    finite = not always_clean and bool(
-        torch.isfinite(sum(x.detach().float() for x in squared)).all()
+    # makes its example's squared norm non-finite, so when every norm is finite no record
+    # needs cleaning before the weighted sums (see weighted_calls). That is read on the host
+    # with the norms' other flags where they were (LeafSquaredNorms.all_finite), else here.
+    # (Not so for users' norms, which leave out padding: ``always_clean``.)
+    known = getattr(found.squared, "all_finite", None)
+    finite = not always_clean and (
+        known if known is not None else bool(torch_quantities.all_finite(squared))
     )
     clean = None if finite else weighted_calls  # (looked up here: a benchmark replaces it)
     groups = weight_groups(weights_from(upper), len(found.diff))
