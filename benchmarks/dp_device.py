@@ -7,7 +7,9 @@ GPT-2 small at its real size (12 layers, width 768, vocabulary 50257, its tied e
 head; nothing downloaded), causal LM loss, sequences of 128 and 512 tokens. The methods and their
 settings are those of ``benchmarks/dp_transformers.py`` (its model, batch and step builders):
 ``non-private`` (forward, backward, SGD step: the unit of every ratio), ``pergrad DP``
-(``DPOptimizer``, strategy "auto"), ``pergrad low-memory`` (``strategy="ghost-lowmem"``),
+(``DPOptimizer``, strategy "auto"), ``pergrad DP, per-layer reads`` (the same with
+``capture/cost.DEFERRED_READS`` off: a host read per layer, as before issue 36), ``pergrad
+low-memory`` (``strategy="ghost-lowmem"``),
 ``Opacus hooks`` and ``Opacus ghost`` (which refuses tied parameters: reported, not worked
 around). Each method has its own copy of the model on the device.
 
@@ -26,6 +28,7 @@ import argparse
 import gc
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -45,12 +48,35 @@ from pergrad.bench.methods import synced
 from pergrad.bench.report import describe_device, markdown_table, publish, sentence_header
 from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
+# pergrad's DP step as before issue 36's deferred reads: each layer reads on the host which of
+# its certified norms to tighten (capture/cost.DEFERRED_READS off during its steps), so that a
+# GPU run measures what the one combined read saves there
+PER_LAYER_READS = "pergrad DP, per-layer reads"
+DEVICE_METHODS = (*METHODS[:2], PER_LAYER_READS, *METHODS[2:])
+
 
 def build(method: str, workload: Workload, config: Config, device: torch.device, noise: float):
     """``dp_transformers.build_step`` on ``device``, each call waited for there."""
-    step = build_step(method, workload, config, noise, device)
+    if method == PER_LAYER_READS:
+        step = build_step("pergrad DP", workload, config, noise, device)
+        step.call = with_per_layer_reads(step.call)
+    else:
+        step = build_step(method, workload, config, noise, device)
     step.call = synced(step.call, device)
     return step
+
+
+def with_per_layer_reads(call: Any) -> Any:
+    from pergrad._src.capture import cost
+
+    def per_layer() -> None:
+        cost.DEFERRED_READS = False
+        try:
+            call()
+        finally:
+            cost.DEFERRED_READS = True
+
+    return per_layer
 
 
 def step_memory_mib(step: Step, device: torch.device) -> float:
@@ -79,7 +105,7 @@ def measure(workload: Workload, config: Config, device: torch.device, rounds: in
     steps, failed, memory = {}, {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for method in METHODS:
+        for method in DEVICE_METHODS:
             try:
                 step = build(method, workload, config, device, noise=1.0)
                 step.call()
@@ -99,7 +125,7 @@ def measure(workload: Workload, config: Config, device: torch.device, rounds: in
 def rows_of(workload: Workload, result: dict) -> list[list[str]]:
     times, memory = result["times"], result["memory"]
     rows = []
-    for method in METHODS:
+    for method in DEVICE_METHODS:
         if method in result["failed"]:
             rows.append([workload.name, method, "-", "-", "-", "-", result["failed"][method]])
             continue
