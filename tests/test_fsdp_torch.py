@@ -196,7 +196,8 @@ def train(model: nn.Module, optimizer: Any, data: Any, world_size: int, rank: in
     return [optimizer.step(inputs[i], targets[i]) for i in batches(world_size, rank)]
 
 
-def worker(world_size: int, rank: int, store: str, out: str) -> None:
+def join_gloo(world_size: int, rank: int, store: str) -> None:
+    """This worker process in the gloo group of ``world_size`` (one torch thread each)."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo",
@@ -205,6 +206,10 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
         rank=rank,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def worker(world_size: int, rank: int, store: str, out: str) -> None:
+    join_gloo(world_size, rank, store)
     seen: dict[str, Any] = {}
     data = make_data()
 

@@ -8,7 +8,6 @@ single-process ``DPOptimizer`` on the union of the processes' examples, computed
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import sys
@@ -42,6 +41,7 @@ from test_fsdp_torch import (  # noqa: E402
     dp_optimizer,
     error_of,
     gathered,
+    join_gloo,
     make_data,
     make_mlp,
     make_tokens,
@@ -161,14 +161,7 @@ def noisy(rank: int) -> dict[str, Any]:
 
 
 def worker(world_size: int, rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        world_size=world_size,
-        rank=rank,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(world_size, rank, store)
     seen: dict[str, Any] = {}
     tokens, data = make_tokens(), make_data()
 
@@ -363,6 +356,20 @@ def reference_steps(model: nn.Module, data: Any, steps: list[list[int]], **optio
     return stats, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def autocast_reference() -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """The single-process ghost steps of the MLP under autocast to bfloat16, no noise: their
+    statistics and the parameters after them."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return reference_steps(
+            make_mlp(),
+            make_data(),
+            batches(),
+            loss_fn=float32_loss,
+            noise_multiplier=0.0,
+            strategy="ghost",
+        )
+
+
 def assert_moved(got: dict[str, torch.Tensor], initial: nn.Module, far: float) -> None:
     moved = max(float((got[n] - p.detach()).abs().max()) for n, p in initial.named_parameters())
     assert moved > far, moved
@@ -418,15 +425,7 @@ def test_tied_weights_get_the_single_process_noise(workers):
 
 def test_mixed_precision_steps_as_one_process_under_autocast(workers):
     world_size, seen = workers
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        stats, expected = reference_steps(
-            make_mlp(),
-            make_data(),
-            batches(),
-            loss_fn=float32_loss,
-            noise_multiplier=0.0,
-            strategy="ghost",
-        )
+    stats, expected = autocast_reference()
     for rank in range(world_size):
         for name, value in expected.items():  # (FSDP casts the inputs to bfloat16 too)
             torch.testing.assert_close(seen[rank]["mixed"][name], value, rtol=1e-3, atol=5e-4)
@@ -502,15 +501,7 @@ def test_mixed_precision_leaves_out_an_example_with_a_nan_as_in_one_process(work
 
 def test_autocast_steps_as_one_process_under_autocast(workers):
     world_size, seen = workers
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, expected = reference_steps(
-            make_mlp(),
-            make_data(),
-            batches(),
-            loss_fn=float32_loss,
-            noise_multiplier=0.0,
-            strategy="ghost",
-        )
+    _, expected = autocast_reference()
     for rank in range(world_size):
         for name, value in expected.items():
             torch.testing.assert_close(seen[rank]["autocast"][name], value, rtol=1e-4, atol=1e-5)
