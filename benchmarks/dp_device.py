@@ -28,7 +28,6 @@ import argparse
 import gc
 import math
 import warnings
-from typing import Any
 
 import torch
 
@@ -43,6 +42,7 @@ from benchmarks.dp_transformers import (
     Workload,
     build_step,
     failure,
+    with_cost_flag,
 )
 from pergrad.bench.methods import synced
 from pergrad.bench.report import describe_device, markdown_table, publish, sentence_header
@@ -59,24 +59,11 @@ def build(method: str, workload: Workload, config: Config, device: torch.device,
     """``dp_transformers.build_step`` on ``device``, each call waited for there."""
     if method == PER_LAYER_READS:
         step = build_step("pergrad DP", workload, config, noise, device)
-        step.call = with_per_layer_reads(step.call)
+        step.call = with_cost_flag(step.call, "DEFERRED_READS", False)
     else:
         step = build_step(method, workload, config, noise, device)
     step.call = synced(step.call, device)
     return step
-
-
-def with_per_layer_reads(call: Any) -> Any:
-    from pergrad._src.capture import cost
-
-    def per_layer() -> None:
-        cost.DEFERRED_READS = False
-        try:
-            call()
-        finally:
-            cost.DEFERRED_READS = True
-
-    return per_layer
 
 
 def step_memory_mib(step: Step, device: torch.device) -> float:

@@ -306,16 +306,23 @@ def build_step(
 def with_float64_norms(call: Callable[[], None]) -> Callable[[], None]:
     """``call`` with pergrad's ghost norms as before issue 36: float64 Gram matrices, no
     certified bound (``capture/cost.FAST_NORMS`` off during the call)."""
+    return with_cost_flag(call, "FAST_NORMS", False)
+
+
+def with_cost_flag(call: Callable[[], None], name: str, value: bool) -> Callable[[], None]:
+    """``call`` with pergrad's ``capture/cost.<name>`` set to ``value`` while it runs (a
+    benchmark's "before" of a change that flag switches), restored after."""
     from pergrad._src.capture import cost
 
-    def float64_call() -> None:
-        cost.FAST_NORMS = False
+    def flagged() -> None:
+        before = getattr(cost, name)
+        setattr(cost, name, value)
         try:
             call()
         finally:
-            cost.FAST_NORMS = True
+            setattr(cost, name, before)
 
-    return float64_call
+    return flagged
 
 
 def pergrad_step(

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.rules import Recorded, register
 from pergrad._src.capture.torch_layers import (
     LayerCall,
-    dense_route_of,
     outer_product_squared_norms,
     side_by_side,
 )
@@ -332,8 +332,7 @@ def is_covered(layer: Any) -> bool:
     record=_record,
     nested=("out_proj.weight", "out_proj.bias"),
     route=lambda layer: (
-        "each projection as a dense layer: "
-        + dense_route_of(layer, layer.embed_dim, layer.embed_dim)
+        "each projection as a dense layer: " + dense_route(layer.embed_dim, layer.embed_dim)
     ),
 )
 def attention_squared_norms(

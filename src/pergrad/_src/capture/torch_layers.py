@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pergrad._src.capture import cost
+from pergrad._src.capture.cost import dense_route
 from pergrad._src.capture.quantities import Lookups, Tokens
 from pergrad._src.capture.rules import register
 from pergrad._src.capture.torch_norms import (
     certified_sum_of_squares,
-    dense_route_of,
     magnitudes,
     outer_product_squared_norms,
     squared_norms_of,
@@ -113,7 +113,7 @@ def linear_records(layer: nn.Linear, calls: list[LayerCall]) -> Tokens:
     per_example=linear_per_example,
     weighted_sum=linear_weighted_sum,
     batch_axes=TOKENWISE,
-    route=lambda layer: dense_route_of(layer, layer.in_features, layer.out_features),
+    route=lambda layer: dense_route(layer.in_features, layer.out_features),
     tokens=linear_records,
 )
 def linear_squared_norms(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
@@ -158,7 +158,7 @@ def hf_conv1d_records(layer: nn.Module, calls: list[LayerCall]) -> Tokens:
     per_example=hf_conv1d_per_example,
     weighted_sum=hf_conv1d_weighted_sum,
     batch_axes=TOKENWISE,
-    route=lambda layer: dense_route_of(layer, *layer.weight.shape),
+    route=lambda layer: dense_route(*layer.weight.shape),
     tokens=hf_conv1d_records,
 )
 def hf_conv1d_squared_norms(layer: nn.Module, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
@@ -303,7 +303,7 @@ def _conv_route(layer: Any) -> str:
     return (
         f"the {width_in} x {width_out} per-example kernel gradient formed; with fewer "
         f"than {math.isqrt(width_in * width_out - 1) + 1} output positions, the patches "
-        f"as a dense layer: " + dense_route_of(layer, width_in, width_out)
+        f"as a dense layer: " + dense_route(width_in, width_out)
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pergrad._src.capture import cost
-from pergrad._src.capture.cost import dense_route, gram_is_cheaper
+from pergrad._src.capture.cost import gram_is_cheaper
 
 
 def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.Tensor) -> Any:
@@ -80,7 +80,7 @@ def matmul_input_unit(device: Any) -> float:
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, ``allow_tf32``, or
     ``torch.set_float32_matmul_precision("high")``) or ``2**-8`` (bfloat16: ``"medium"`` on a
     CPU). pergrad's own products run with these off (``rules.full_float32``), so inside them
-    this is 0; outside, it prices a route in the precision a product would take."""
+    this is 0 (and the routes are priced in float32); a call outside them reads the user's."""
     cuda = torch.device(device).type == "cuda"
     backends = torch.backends
     backend = backends.cuda.matmul if cuda else getattr(backends.mkldnn, "matmul", None)
@@ -99,16 +99,6 @@ def matmul_input_unit(device: Any) -> float:
 def _input_unit(x: torch.Tensor) -> float:
     """:func:`matmul_input_unit` for float32 operands; other dtypes are used as they are."""
     return matmul_input_unit(x.device) if x.dtype == torch.float32 else 0.0
-
-
-def dense_route_of(layer: Any, width_in: int, width_out: int) -> str:
-    """``cost.dense_route`` in the precision ``layer``'s float32 products take now."""
-    return dense_route(width_in, width_out, input_unit=matmul_input_unit(_device_of(layer)))
-
-
-def _device_of(layer: Any) -> Any:
-    param = next(layer.parameters(), None)
-    return "cpu" if param is None else param.device
 
 
 def _has_float64(x: torch.Tensor) -> bool:
