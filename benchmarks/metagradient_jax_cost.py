@@ -8,7 +8,8 @@ A tanh MLP (64-64-10) on 1024 random examples, SGD with momentum 0.9, batches of
 jitted optax step per batch, the loop in Python as a user writes it, after a warm-up run. Then
 ``pergrad.influence.metagradient`` is called for one target at a time (a different example's
 loss each call), as a user attributing one prediction does: the first call compiles, the later
-ones reuse the compiled steps (``metagradient_jax._Program``). Medians of 3 runs and of the
+ones reuse the compiled programs (``metagradient_jax._Program``: since the scan rewrite, one
+scan for the replay and one for the reverse pass). Medians of 3 runs and of the
 calls after the first, measured one after the other in one process.
 """
 

@@ -373,6 +373,30 @@ def test_the_two_frameworks_give_the_same_numbers(jax_x64, name):
     np.testing.assert_allclose(torch_scores(name).numpy(), jax_scores(name), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("checkpoint_every", [1, 4])
+def test_jax_kept_normalisation_a_schedule_and_one_target_match_the_unrolled_run(
+    jax_x64, checkpoint_every
+):
+    # JAX runs the whole schedule as scans (the learning rates an array of steps, the empty
+    # step skipped, the last segment padded with 2 steps that must not train) and one target's
+    # row without vmap: the reference is PyTorch's unrolled loop.
+    schedule = influence.sgd(lambda count: 0.5 / (1 + count), momentum=0.5)
+    reference = torch_reference_scores(schedule, kept=True).numpy()
+    params0, data = jax_problem()
+    scores = influence.metagradient(
+        jax_loss,
+        params0,
+        data,
+        BATCHES,
+        schedule,
+        lambda p: jax_target(p)[1],
+        normalize="kept",
+        checkpoint_every=checkpoint_every,
+    )
+    assert scores.shape == (N, 1) and np.abs(reference[:, 1]).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(scores), reference[:, 1:], rtol=1e-9, atol=1e-12)
+
+
 def test_jax_checkpointed_equals_unchecked(jax_x64):
     np.testing.assert_allclose(
         jax_scores("adamw_eps_root", 4), jax_scores("adamw_eps_root"), rtol=1e-12, atol=1e-14

@@ -15,8 +15,10 @@ batch's per-example losses along the adjoint of the gradient, forward-over-rever
 This module holds what does not depend on the framework: the optimizers' arithmetic, the
 validation, and the checkpointed forward / reverse schedule. The differentiation of one step is
 framework-specific (``metagradient_jax.py``, ``metagradient_torch.py``, imported only when a
-call needs one): a ``Replay`` object with ``init_state``, ``step``, ``target_rows``,
-``reverse_step``, ``zero_scores``, ``add_scores`` and ``finish``.
+call needs one): a ``Replay`` object with ``init_state``, ``step`` (for :func:`replay`),
+``target_rows`` and either ``reverse_step``, ``zero_scores``, ``add_scores`` and ``finish``
+(PyTorch: the schedule below drives them step by step) or ``reverse_all`` (JAX: the schedule
+compiled as scans).
 """
 
 from __future__ import annotations
@@ -391,7 +393,9 @@ def metagradient(
     Cost: a replay of the run, then per step one second-order pass vectorised over the ``k``
     targets: in PyTorch one reverse-over-reverse vector-Jacobian product of the step (about two
     training steps for one target); in JAX one gradient, one vector-Jacobian product of the
-    optimizer update and one forward-over-reverse pass over the batch's per-example losses.
+    optimizer update and one forward-over-reverse pass over the batch's per-example losses, the
+    whole run compiled as two scans (replay, reverse pass) that later calls with the same loss,
+    optimizer and parameters' structure reuse: about 3 training runs for one target.
 
     Example::
 
@@ -477,7 +481,11 @@ def _numeric(value: Any) -> bool:
 
 
 def _reverse(run: Run, machine: Any, checkpoint_every: int) -> Any:
-    """The forward replay keeping checkpoints, then the reverse pass segment by segment."""
+    """The forward replay keeping checkpoints, then the reverse pass segment by segment (a
+    framework that compiles the whole schedule, JAX's, does it in ``reverse_all``)."""
+    whole = getattr(machine, "reverse_all", None)
+    if whole is not None:
+        return whole(checkpoint_every)
     steps = len(run.batches)
     ones = [np.ones(len(b)) for b in run.batches]
     checkpoints = {}

@@ -1,10 +1,17 @@
 """One step of a training run, replayed and differentiated in JAX (``metagradient.py``).
 
 The optimizer state is a list of leaves; the float ones carry adjoints, the others (optax's
-integer counts) are carried along as they come out of each update. Each step's functions are
-jitted once per batch size, and kept (:class:`_Program`, the last few): a later call with the
-same loss, optimizer and parameters' structure (a loop over targets, one per call) reuses them
-instead of compiling again, which took most of a small run's time.
+integer counts) are carried along as they come out of each update.
+
+:func:`metagradient` runs as two programs, each one ``lax.scan`` over the whole run (a step a
+dispatch cost as much as the step itself on a small model): the forward replay, which keeps a
+checkpoint at the start of every segment of ``checkpoint_every`` steps, and the reverse pass,
+which recomputes each segment from its checkpoint and carries the adjoints back through it,
+giving every step's per-example terms. The batches are padded with example 0 (scale 0) to the
+largest batch, the run with empty steps to whole segments; an empty step is skipped by
+``lax.cond``. The programs are compiled once and kept (:class:`_Program`, the last few): a later
+call with the same loss, optimizer and parameters' structure (a loop over targets, one per
+call) reuses them. :func:`replay` steps one jitted update at a time.
 """
 
 from __future__ import annotations
@@ -134,37 +141,55 @@ class Replay:
         return self.program.step(self.run.hyper(step), params, leaves, batch, scale)
 
     def target_rows(self, params: Any, leaves: list[Any]) -> Any:
+        """The adjoints at the end of the run: the target's Jacobian ``(k, P)`` for the
+        parameters, zeros for the optimizer state's float leaves."""
+
         def target(p: Any) -> Any:
             return jnp.atleast_1d(self.target(self.unravel(p)))
 
-        rows = jax.jacrev(target)(params)
+        values, pullback = jax.vjp(target, params)
+        basis = jnp.eye(values.shape[0], dtype=values.dtype)
+        # one target without vmap: in eager mode vmap formats the pullback's residuals for its
+        # debug information (about 8 ms a call on a small MLP, more than the whole replay)
+        rows = pullback(basis[0])[0][None] if len(basis) == 1 else jax.vmap(pullback)(basis)[0]
         zeros = [
-            jnp.zeros((rows.shape[0], *x.shape), x.dtype) if f else None
-            for x, f in zip(leaves, self.floats)
+            jnp.zeros((len(basis), *x.shape), x.dtype) for x, f in zip(leaves, self.floats) if f
         ]
         return rows, zeros
 
-    def reverse_step(self, step, params, leaves, adjoint_params, adjoint_state):
-        batch, size = self._batch(step)
-        scale = self._scale(np.full(size, 1.0 / size), params.dtype)
-        hyper = self.run.hyper(step)
-        return self.program.reverse_step(
-            hyper, params, leaves, batch, scale, adjoint_params, adjoint_state
+    # -- the whole run as two scans ---------------------------------------------------------
+
+    def schedule(self, checkpoint_every: int) -> tuple[Any, ...]:
+        """The run's steps as arrays ``(segments, checkpoint_every, ...)``: each step's padded
+        indices, its examples' scales (1 / its size; 0 for the padding), its optimizer
+        hyperparameters and whether it trains (empty steps and the last segment's padding
+        do not)."""
+        steps = len(self.run.batches)
+        padded = -(-steps // checkpoint_every) * checkpoint_every
+        dtype = np.dtype(self.run.flat.vector.dtype)
+        index = np.zeros((padded, self.width), dtype=np.int64)
+        scale = np.zeros((padded, self.width), dtype=dtype)
+        active = np.zeros(padded, dtype=bool)
+        hyper = np.zeros((padded, len(self.run.hyper(0))), dtype=dtype)
+        for step, indices in enumerate(self.run.batches):
+            index[step, : len(indices)] = indices
+            scale[step, : len(indices)] = 1.0 / max(len(indices), 1)
+            active[step] = len(indices) > 0
+            hyper[step] = self.run.hyper(step)
+        shape = (padded // checkpoint_every, checkpoint_every)
+        return tuple(x.reshape(shape + x.shape[1:]) for x in (index, scale, hyper, active))
+
+    def reverse_all(self, checkpoint_every: int) -> Any:
+        """The scores: the forward replay, the target's rows, the reverse pass."""
+        schedule = self.schedule(checkpoint_every)
+        params, leaves = self.run.flat.vector, self.init_state()
+        (final, final_leaves), checkpoints = self.program.forward(
+            params, leaves, self.data, schedule
         )
-
-    def zero_scores(self) -> Any:
-        k = jnp.atleast_1d(self.target(self.unravel(self.run.flat.vector))).shape[0]
-        return jnp.zeros((self.run.num_train, k), self.run.flat.vector.dtype)
-
-    def add_scores(self, scores: Any, step: int, terms: Any) -> Any:
-        # the padding's terms are 0 (its scale is), added to example 0's row: one program
-        indices = self.run.batches[step]
-        padded = np.zeros(self.width, dtype=np.int64)
-        padded[: len(indices)] = indices
-        return _add_rows(scores, padded, terms)
-
-    def finish(self, scores: Any) -> Any:
-        return scores
+        adjoint_params, adjoint_floats = self.target_rows(final, final_leaves)
+        return self.program.backward(
+            checkpoints, self.data, schedule, adjoint_params, adjoint_floats, self.run.num_train
+        )
 
 
 class _Program:
@@ -177,7 +202,8 @@ class _Program:
         self.state_def, self.floats, self.kept = state_def, list(floats), kept
         self.user_optimizer = run.optimizer  # (its identity is part of the key)
         self.step = jax.jit(self._step_fn)
-        self.reverse_step = jax.jit(self._reverse_step_fn)
+        self.forward = jax.jit(self._forward_fn)
+        self.backward = jax.jit(self._backward_fn, static_argnums=5)
 
     @classmethod
     def of(cls, run: Any, optimizer: Any, state_def: Any, floats: tuple, kept: bool) -> _Program:
@@ -207,8 +233,10 @@ class _Program:
         grad = jax.grad(lambda p: jnp.sum(scale * self._losses(p, batch)))(params)
         return self._update(hyper, params, leaves, grad)
 
-    def _reverse_step_fn(self, hyper, params, leaves, batch, scale, adjoint_params, adjoint_state):
-        # scale: 1 / len(batch) for the real examples, 0 for the padding
+    def _reverse_step_fn(self, hyper, params, leaves, batch, scale, adjoint_params, adjoint_floats):
+        """The adjoints before a step from those after it (parameters ``(k, P)``, the state's
+        float leaves), and the step's per-example terms ``(k, width)``. ``scale``: 1 / the
+        batch's size for its examples, 0 for the padding."""
 
         def mean_and_losses(p: Any) -> Any:
             losses = self._losses(p, batch)
@@ -219,13 +247,11 @@ class _Program:
         floats = [x for x, f in zip(leaves, self.floats) if f]
 
         def update(p: Any, float_leaves: list[Any], g: Any) -> Any:
-            it = iter(float_leaves)
-            merged = [next(it) if f else x for x, f in zip(leaves, self.floats)]
+            merged = _merge(float_leaves, leaves, self.floats)
             new_params, new_leaves = self._update(hyper, p, merged, g)
             return new_params, [x for x, f in zip(new_leaves, self.floats) if f]
 
         _, update_vjp = jax.vjp(update, params, floats, grad)
-        adjoint_floats = [a for a, f in zip(adjoint_state, self.floats) if f]
         a_params, a_floats, a_grad = jax.vmap(update_vjp)((adjoint_params, adjoint_floats))
 
         def fused(tangent: Any) -> Any:
@@ -234,10 +260,75 @@ class _Program:
         hessian_rows, directional = jax.vmap(fused)(a_grad)  # (k, P), (k, B)
         if self.kept:  # d/dw_i of sum w loss / sum w: each loss minus the batch's mean
             directional = directional - jnp.sum(scale * directional, axis=1, keepdims=True)
-        terms = scale * directional
-        it = iter(a_floats)
-        new_state = [next(it) if f else None for f in self.floats]
-        return a_params + hessian_rows, new_state, terms
+        return a_params + hessian_rows, a_floats, scale * directional
+
+    # -- the whole run: scans over segments of steps, then over a segment's steps -------------
+
+    def _train(self, carry: Any, data: Any, step: tuple[Any, ...]) -> Any:
+        """One step of the forward replay inside a scan (``step``: one row of the schedule)."""
+        index, scale, hyper, active = step
+        batch = jax.tree_util.tree_map(lambda x: x[index], data)
+
+        def train(state: Any) -> Any:
+            params, leaves = state
+            return self._step_fn(tuple(hyper), params, leaves, batch, scale)
+
+        return jax.lax.cond(active, train, lambda state: state, carry)
+
+    def _forward_fn(self, params: Any, leaves: list[Any], data: Any, schedule: tuple) -> Any:
+        def segment(carry: Any, steps: tuple[Any, ...]) -> Any:
+            end, _ = jax.lax.scan(lambda c, step: (self._train(c, data, step), None), carry, steps)
+            return end, carry  # the checkpoint: the state at the segment's start
+
+        return jax.lax.scan(segment, (params, leaves), schedule)
+
+    def _backward_fn(self, checkpoints, data, schedule, adjoint_params, adjoint_floats, num_train):
+        k = adjoint_params.shape[0]
+        width = schedule[0].shape[-1]
+
+        def reverse(adjoint: Any, inputs: tuple[Any, ...]) -> Any:
+            (params, leaves), (index, scale, hyper, active) = inputs
+            batch = jax.tree_util.tree_map(lambda x: x[index], data)
+
+            def differentiate(adjoint: Any) -> Any:
+                a_params, a_floats, terms = self._reverse_step_fn(
+                    tuple(hyper), params, leaves, batch, scale, *adjoint
+                )
+                return (a_params, a_floats), terms
+
+            def skip(adjoint: Any) -> Any:
+                return adjoint, jnp.zeros((k, width), adjoint_params.dtype)
+
+            return jax.lax.cond(active, differentiate, skip, adjoint)
+
+        def segment(adjoint: Any, inputs: tuple[Any, ...]) -> Any:
+            start, steps = inputs
+            # the states before each of the segment's steps: the checkpoint, then recomputed
+            head = jax.tree_util.tree_map(lambda x: x[:-1], steps)
+
+            def train(c: Any, step: Any) -> Any:
+                c = self._train(c, data, step)
+                return c, c
+
+            _, later = jax.lax.scan(train, start, head)
+            states = jax.tree_util.tree_map(
+                lambda first, rest: jnp.concatenate([first[None], rest]), start, later
+            )
+            return jax.lax.scan(reverse, adjoint, (states, steps), reverse=True)
+
+        _, terms = jax.lax.scan(
+            segment, (adjoint_params, adjoint_floats), (checkpoints, schedule), reverse=True
+        )
+        # terms: (segments, steps, k, width); the padding's are 0, added to example 0's row
+        rows = jnp.swapaxes(terms, -1, -2).reshape(-1, k)
+        scores = jnp.zeros((num_train, k), adjoint_params.dtype)
+        return scores.at[schedule[0].reshape(-1)].add(rows)
+
+
+def _merge(floats: list[Any], leaves: list[Any], is_float: list[bool]) -> list[Any]:
+    """``leaves`` with its float ones (``is_float``) replaced by ``floats``, in order."""
+    it = iter(floats)
+    return [next(it) if f else x for x, f in zip(leaves, is_float)]
 
 
 # Per step, jitted: JAX's eager indexing costs about 0.5 ms a call in Python (a 320-step replay
@@ -245,11 +336,6 @@ class _Program:
 @jax.jit
 def _take(data: Any, index: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: x[index], data)
-
-
-@jax.jit
-def _add_rows(scores: Any, index: Any, terms: Any) -> Any:
-    return scores.at[index].add(terms.T.astype(scores.dtype))
 
 
 # The programs of the last few runs: a loop of one-target calls compiles once.
