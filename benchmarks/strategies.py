@@ -10,6 +10,9 @@ attention mask that pads some examples, without and with activation checkpointin
 * ``batch grad``: ``loss.backward()`` of the mean loss over the batch: the floor;
 * ``auto``: ``pergrad.per_example_grads(loss)``, and which strategy it took;
 * ``vmap`` / ``hooks`` / ``loop``: each strategy forced (``vmap`` fails on some: reported);
+* ``hooks, full pass``: the hooks strategy as it ran before its later calls went light: every
+  call computes the weight gradients too and checks that the per-example gradients add up to
+  them (``hooks_torch._outputs`` patched to None, the path an in-place-changed output takes);
 * the relative error of each against the loop (the reference), in the same run.
 
 Median over ``--repeats`` interleaved rounds (each round runs every method once) after one
@@ -20,6 +23,7 @@ Prints a markdown table; ``--out PATH`` also writes it with the machine named.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -29,11 +33,25 @@ import torch
 import torch.nn.functional as F
 
 import pergrad
-from pergrad.bench.machine import package_version
+from pergrad._src.strategies import hooks_torch
+from pergrad.bench.machine import load_average, package_version
 from pergrad.bench.report import fmt, machine_info, markdown_table, publish
 from pergrad.bench.timing import median_ms, time_interleaved
 
 STRATEGIES = ("auto", "vmap", "hooks", "loop")
+FULL = "hooks, full pass"
+
+
+@contextlib.contextmanager
+def full_pass() -> Any:
+    """The hooks strategy's later calls differentiating the parameters (and checking the sum)
+    instead of the layers' outputs only, as every call did before."""
+    original = hooks_torch._outputs
+    hooks_torch._outputs = lambda records: None
+    try:
+        yield
+    finally:
+        hooks_torch._outputs = original
 
 
 def build(kind: str, checkpointing: bool, quick: bool) -> tuple[Any, Any, tuple[Any, ...]]:
@@ -122,6 +140,13 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
             continue
         taken[strategy] = fn.last_strategy
         methods[strategy] = lambda fn=fn: fn(loss.params(), inputs, target)
+        if strategy == "hooks":
+
+            def full(fn: Any = fn) -> Any:
+                with full_pass():
+                    return fn(loss.params(), inputs, target)
+
+            results[FULL], taken[FULL], methods[FULL] = full(), "hooks", full
     batch_grad()  # warm-up
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -129,7 +154,7 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
     ms = {method: median_ms(seconds) for method, seconds in times.items()}
     model.zero_grad(set_to_none=True)
     rows = []
-    for method in ("batch grad", *STRATEGIES):
+    for method in ("batch grad", *STRATEGIES, FULL):
         row = {"model": name, "method": method, "taken": taken[method], "ms": ms.get(method)}
         row["error"] = (
             relative_error(results[method], results["loop"]) if method in results else None
@@ -175,7 +200,8 @@ def header(repeats: int) -> str:
         f"{info['gpu'] or 'none'}), Python {info['python']}, torch "
         f"{info['versions']['torch']}, transformers {package_version('transformers')}, "
         f"{info['date']}. Batch 32, sequence 32, 4 layers, width 128, vocab 2000; "
-        f"median of {repeats} interleaved rounds after a warm-up."
+        f"median of {repeats} interleaved rounds after a warm-up; load average "
+        f"{load_average()} at the end."
     )
 
 

@@ -253,6 +253,15 @@ def test_argnums_of_the_wrong_type(argnums):
         pergrad.per_example_grads(linear_loss, argnums=argnums)
 
 
+def test_parameters_passed_where_argnums_goes_are_named_not_dumped():
+    # per_example_grads(fn, params) (a transform called like a function) put a dict of
+    # arrays in argnums: the message names its type, not pages of numbers.
+    params = {f"w{i}": np.arange(1000.0) for i in range(5)}
+    with pytest.raises(TypeError, match=r"argnums must be an int.*got a dict \(\{'w0'") as info:
+        pergrad.per_example_grads(linear_loss, params)
+    assert len(str(info.value)) < 300
+
+
 @pytest.mark.parametrize("argnums", [-1, (0, 0)])
 def test_argnums_negative_or_repeated(argnums):
     with pytest.raises(ValueError, match="argnums"):

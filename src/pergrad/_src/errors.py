@@ -43,6 +43,15 @@ class Unsupported(Exception):
     :class:`PergradValueError` that names the strategy, so it never reaches users itself."""
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, or, when that is longer than ``limit`` characters
+    (a dict of tensors passed where a number was expected), its type and the start of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"a {type(value).__name__} ({' '.join(text[:limit].split())} ...)"
+
+
 def warn_from_caller(message: str, category: type[Warning] = FallbackWarning) -> None:
     """Warn, attributed to the first frame outside pergrad (the user's call)."""
     level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of this function

@@ -41,6 +41,7 @@ from pergrad._src.errors import (
     PergradTypeError,
     PergradValueError,
     is_pergrad_error,
+    shown,
 )
 
 _RANDOMNESS = ("error", "different", "same")
@@ -103,24 +104,26 @@ class Spec:
         argnums_tuple = _check_argnums(func_name, argnums)
         _check_in_axes_type(func_name, in_axes)
         if not isinstance(has_aux, bool):
-            raise PergradTypeError(f"{func_name}: has_aux must be True or False; got {has_aux!r}.")
+            raise PergradTypeError(
+                f"{func_name}: has_aux must be True or False; got {shown(has_aux)}."
+            )
         if chunk_size is not None and (not is_int(chunk_size) or chunk_size <= 0):
             raise PergradValueError(
-                f"{func_name}: chunk_size must be a positive int or None; got {chunk_size!r}."
+                f"{func_name}: chunk_size must be a positive int or None; got {shown(chunk_size)}."
             )
         if backend is not None and backend not in available_backend_names():
             raise PergradValueError(
                 f"{func_name}: backend must be one of {list(available_backend_names())} or "
-                f"None (chosen from the arrays passed); got {backend!r}."
+                f"None (chosen from the arrays passed); got {shown(backend)}."
             )
         if randomness is not None and randomness not in _RANDOMNESS:
             raise PergradValueError(
                 f"{func_name}: randomness must be one of {list(_RANDOMNESS)} or None; "
-                f"got {randomness!r}."
+                f"got {shown(randomness)}."
             )
         if not isinstance(strategy, str) or strategy not in GRAD_STRATEGIES:
             raise PergradValueError(
-                f"{func_name}: strategy must be one of {list(GRAD_STRATEGIES)}; got {strategy!r}."
+                f"{func_name}: strategy must be one of {list(GRAD_STRATEGIES)}; got {shown(strategy)}."
             )
         return cls(
             func_name,
@@ -150,11 +153,11 @@ def _check_argnums(func_name: str, argnums: Any) -> tuple[int, ...]:
         argnums = (argnums,)
     elif not (isinstance(argnums, (tuple, list)) and argnums and all(map(is_int, argnums))):
         raise PergradTypeError(
-            f"{func_name}: argnums must be an int or a non-empty tuple of ints; got {argnums!r}."
+            f"{func_name}: argnums must be an int or a non-empty tuple of ints; got {shown(argnums)}."
         )
     if any(a < 0 for a in argnums):
         raise PergradValueError(
-            f"{func_name}: argnums must be non-negative positions; got {argnums!r}."
+            f"{func_name}: argnums must be non-negative positions; got {shown(argnums)}."
         )
     if len(set(argnums)) != len(argnums):
         raise PergradValueError(f"{func_name}: argnums has repeated entries: {argnums!r}.")

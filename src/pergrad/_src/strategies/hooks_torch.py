@@ -14,9 +14,12 @@ It is only used when it is right, and checked while it runs:
 - every differentiated parameter must belong to layers with a rule (:func:`plan`); a parameter
   shared by several layers (GPT-2's tied input and output embeddings) gets the sum of the
   per-example gradients of each use, as autograd gives;
-- the per-example gradients must add up to the batch gradient of the same backward pass; a use
-  of a parameter the hooks did not see (``F.linear(x, self.fc.weight)`` in a parent module)
-  breaks that sum and the call is refused (``"auto"`` then loops);
+- on the first call of each layout, the per-example gradients must add up to the batch
+  gradient of the same backward pass; a use of a parameter the hooks did not see
+  (``F.linear(x, self.fc.weight)`` in a parent module) breaks that sum and the call is refused
+  (``"auto"`` then loops). Once a layout has passed its checks, its later calls differentiate
+  only the hooked layers' outputs (no weight gradient is computed: a third of a training
+  step's work), as the ghost strategy does;
 - on the first call of each layout (the arguments' shapes, batch size included), each hooked
   layer's output gradient must be row-local (``capture/torch_checks.py``: a second, weighted
   backward pass), so a layer that has the batch size on axis 0 without holding the batch there
@@ -33,8 +36,8 @@ run through the model's own parameters with ``.backward()``, and every parameter
 parameters do fire in that backward pass.
 
 Limits: the checks run on the first call of each layout with two or more examples; a model that
-branches on a batch-wide value only on some later batch of the same shapes is not caught after
-that. Pass ``strategy="loop"`` for such models.
+branches on a batch-wide value, or uses a parameter outside its layer, only on some later batch
+of the same shapes is not caught after that. Pass ``strategy="loop"`` for such models.
 """
 
 from __future__ import annotations
@@ -265,7 +268,8 @@ def _one_pass(
         if total is None:  # no use of the parameter reached the loss
             total = value.new_zeros(batch_size, *value.shape)
         grads[k] = total.detach()
-    _check_sums(params, position, grads, batch_grads)
+    if batch_grads is not None:  # (None: a checked layout's light backward pass)
+        _check_sums(params, position, grads, batch_grads)
     return losses.detach(), grads
 
 
@@ -278,22 +282,23 @@ def _batched_pass(
     targets: list[Any],
     target_dims: list[Any],
     batch_size: int,
-    backward: Callable[[torch.Tensor, bool], list[Any]],
+    backward: Callable[..., list[Any] | None],
     verify: bool,
-) -> tuple[Any, Any, list[Any]]:
-    """Forward the batch with the layers hooked, then ``backward(sum of losses, retain)`` ->
-    batch gradients; with ``verify`` (and two examples or more), a second, weighted backward
-    pass checks that each layer's output gradient is row-local. The backward passes stay
-    inside the hooks: reentrant checkpointing reruns the forward pass there."""
-    verify = verify and batch_size > 1
+) -> tuple[Any, Any, list[Any] | None]:
+    """Forward the batch with the layers hooked, then ``backward(sum of losses, retain,
+    records)`` -> batch gradients (or None: only the layers' outputs were differentiated);
+    with ``verify`` (and two examples or more), a second, weighted backward pass checks that
+    each layer's output gradient is row-local. The backward passes stay inside the hooks:
+    reentrant checkpointing reruns the forward pass there."""
+    row_checks = verify and batch_size > 1
     with torch.enable_grad(), capturing(modules, batch_size) as records:
         output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-        batch_grads = backward(losses.sum(), verify)
-        if verify:
+        batch_grads = backward(losses.sum(), row_checks, records)
+        if row_checks:
             torch_checks.check_rows(
                 records,
-                lambda weights: backward((losses * weights).sum(), False),
+                lambda weights: backward((losses * weights).sum(), False, records),
                 torch_checks.row_weights(batch_size, losses),
             )
     return losses, records, batch_grads
@@ -311,9 +316,15 @@ def _forward_backward(
     batch_size: int,
     verify: bool,
 ) -> tuple[Any, Any, list[Any]]:
-    """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched."""
+    """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched.
+    Unless ``verify``, only the hooked layers' outputs are differentiated (:func:`_outputs`),
+    where none has been changed in place since its layer returned it."""
 
-    def backward(total: torch.Tensor, retain: bool) -> list[Any]:
+    def backward(total: torch.Tensor, retain: bool, records: Any) -> list[Any] | None:
+        outputs = None if verify else _outputs(records)
+        if outputs is not None:
+            torch.autograd.grad(total, outputs, allow_unused=True, retain_graph=retain)
+            return None
         return list(torch.autograd.grad(total, diff, allow_unused=True, retain_graph=retain))
 
     return _batched_pass(
@@ -352,7 +363,7 @@ def _forward_backward_own(
         for p in touched:
             p.grad = None
 
-        def backward(total: torch.Tensor, retain: bool) -> list[Any]:
+        def backward(total: torch.Tensor, retain: bool, records: Any) -> list[Any]:
             total.backward(retain_graph=retain)
             grads = [by_name[leaf_names[id(leaf)]].grad for leaf in diff]
             for p in touched:  # a second (checking) pass must not add to these
@@ -365,6 +376,22 @@ def _forward_backward_own(
     finally:
         for p, grad in zip(touched, saved):
             p.grad = grad
+
+
+def _outputs(records: dict[str, list[Any]]) -> list[torch.Tensor] | None:
+    """Every hooked call's recorded output, to differentiate instead of the parameters (the
+    tensor hooks on them fill the records; no weight gradient is computed), or None where an
+    in-place op has changed one since its layer returned it (its hook would not see the
+    gradient that reaches the layer)."""
+    outputs = {}
+    for layer_records in records.values():
+        for r in layer_records:
+            if r.output is None:
+                continue
+            if r.output._version != r.output_version:
+                return None
+            outputs[id(r.output)] = r.output
+    return list(outputs.values()) or None
 
 
 def _gather(
