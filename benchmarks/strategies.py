@@ -16,7 +16,9 @@ attention mask that pads some examples, without and with activation checkpointin
 * the relative error of each against the loop (the reference), in the same run.
 
 Median over ``--repeats`` interleaved rounds (each round runs every method once) after one
-warm-up call each (which also runs the hooks' first-call checks).
+warm-up call each (which also runs the hooks' first-call checks). The FLOP column counts one
+call of each method with ``torch.utils.flop_counter.FlopCounterMode`` (matrix products and
+convolutions), against the batch gradient's: it does not depend on the machine's load.
 Prints a markdown table; ``--out PATH`` also writes it with the machine named.
 """
 
@@ -148,6 +150,7 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
 
             results[FULL], taken[FULL], methods[FULL] = full(), "hooks", full
     batch_grad()  # warm-up
+    flops = {method: count_flops(call) for method, call in methods.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = time_interleaved(methods, repeats, warmup=0)  # each warmed up above
@@ -160,18 +163,29 @@ def run_model(kind: str, checkpointing: bool, repeats: int, quick: bool) -> list
             relative_error(results[method], results["loop"]) if method in results else None
         )
         row["ratio"] = None if row["ms"] is None else row["ms"] / ms["batch grad"]
+        row["flops"] = flops[method] / flops["batch grad"] if method in flops else None
         row["speedup"] = None if row["ms"] is None else ms["loop"] / row["ms"]
         rows.append(row)
     return rows
 
 
+def count_flops(call: Any) -> float:
+    """The FLOPs of one ``call()``, as ``FlopCounterMode`` counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
+        warnings.simplefilter("ignore")
+        call()
+    return float(counter.get_total_flops())
+
+
 def table(rows: list[dict]) -> str:
     columns = ["model", "method", "strategy taken", "ms", "/ batch grad", "speed-up over loop"]
-    columns.append("rel. error vs loop")
+    columns += ["FLOP / batch grad", "rel. error vs loop"]
     cells = [
         [r["model"], r["method"], r["taken"], fmt(r["ms"], ".1f", missing="—")]
         + [fmt(r["ratio"], ".2f", "x", missing="—"), fmt(r["speedup"], ".1f", "x", missing="—")]
-        + [fmt(r["error"], ".1e", missing="—")]
+        + [fmt(r["flops"], ".2f", "x", missing="—"), fmt(r["error"], ".1e", missing="—")]
         for r in rows
     ]
     return markdown_table(columns, cells)
