@@ -102,17 +102,18 @@ def build(method: str, workload: Workload, config: Config) -> Any:
     return opacus_step("Opacus hooks", model, optimizer, inputs, targets, workload, 1.0).call
 
 
-def profile(step: Any, sites: int) -> dict[str, Any]:
-    """One step's counts (after the warm-up steps), its top sync sites, its median time."""
+def profile(step: Any, sites: int, warmup: int, timed: int) -> dict[str, Any]:
+    """One step's counts (after ``warmup`` steps), its top sync sites, the median time of
+    ``timed`` steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from pergrad.bench.host_syncs import HostSyncs
 
-    for _ in range(WARMUP_STEPS):
+    for _ in range(warmup):
         step()
     times = []
-    for _ in range(TIMED_STEPS):
+    for _ in range(timed):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -139,14 +140,16 @@ def methods(legacy: bool, only: str | None) -> list[str]:
     return chosen if only is None else [m for m in chosen if m in only.split(",")]
 
 
-def run(method: str, workload: Workload, config: Config, sites: int) -> dict[str, Any]:
+def run(
+    method: str, workload: Workload, config: Config, args: argparse.Namespace
+) -> dict[str, Any]:
     from pergrad._src.capture import cost
 
     cost.DEFERRED_READS = method != "pergrad DP (before)"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return profile(build(method, workload, config), sites)
+            return profile(build(method, workload, config), args.sites, args.warmup, args.timed)
     except Exception as error:  # a method that cannot take the model is a result
         return {"failed": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
     finally:
@@ -181,7 +184,7 @@ def header(args: argparse.Namespace) -> str:
         ["torch", "transformers", "opacus"],
         [
             f"torch threads {torch.get_num_threads()}",
-            f"{WARMUP_STEPS} warm-up steps, time the median of {TIMED_STEPS}",
+            f"{args.warmup} warm-up steps, time the median of {args.timed}",
             f"load average {machine.load_average()} at the end",
             f"command `{machine.command_line()}`",
         ],
@@ -201,6 +204,10 @@ def main() -> None:
         help="also pergrad's step with the host reads of before this change",
     )
     parser.add_argument("--methods", help="only these, comma-separated (e.g. 'pergrad DP')")
+    parser.add_argument(
+        "--warmup", type=int, default=WARMUP_STEPS, help="steps before the counted ones (>= 2)"
+    )
+    parser.add_argument("--timed", type=int, default=TIMED_STEPS, help="steps timed")
     parser.add_argument("--out", type=Path, help="write the markdown here")
     args = parser.parse_args()
     rows = []
@@ -210,7 +217,7 @@ def main() -> None:
             if workload.model not in args.models.split(","):
                 continue
             for method in methods(args.legacy_syncs, args.methods):
-                found = run(method, workload, config, args.sites)
+                found = run(method, workload, config, args)
                 rows.append({"config": name, "workload": workload.name, "method": method, **found})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     publish(table(rows) + "\n\n" + site_lines(rows), args.out, lambda: header(args))

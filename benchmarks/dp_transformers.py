@@ -33,8 +33,10 @@ workload; the ratio is the median of the per-round ratios to the non-private ste
 run nothing: it builds the model, batch and optimizer, reads the resident memory (the
 baseline), resets the peak (``/proc/self/clear_refs``, Linux) and takes a first step and then
 one more; extra memory = peak RSS - baseline, over the first step and over the later ones, and
-its ratio (the larger of the two) is to the non-private step's. Large buffers go back to the
-OS when freed (``mallopt(M_MMAP_THRESHOLD)``), so the peak is the step's working memory.
+its ratio (the larger of the two) is to the non-private step's; for pergrad's low-memory mode,
+one more step gives each phase's peak (forward, first and second backward pass, noise and
+step), in the notes. Large buffers go back to the OS when freed (``mallopt(M_MMAP_THRESHOLD)``),
+so the peak is the step's working memory.
 
 Prints a markdown table; ``--out PATH.md`` also writes it with the machine named, and the plot
 next to it (``PATH.png``). ``--quick``: tiny models, 2 rounds, a smoke test (< 1 min).
@@ -60,7 +62,7 @@ from typing import Any
 
 from pergrad.bench import machine
 from pergrad.bench.child import ChildFailed, run_in_child
-from pergrad.bench.memory import free_buffers_to_the_os, peak_rss_over, status_mib
+from pergrad.bench.memory import free_buffers_to_the_os, peak_rss_over, reset_peak, status_mib
 from pergrad.bench.report import error_summary, fmt, markdown_table, publish, titled
 from pergrad.bench.timing import median_ms, paired_ratio, time_interleaved
 
@@ -510,6 +512,10 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
         gc.collect()
         with recorded_bytes(inventory) if method == "pergrad DP" else contextlib.nullcontext():
             later = peak_rss_over(later_steps) - baseline
+        if method == "pergrad low-memory":  # one more step, its peak phase by phase
+            gc.collect()
+            inventory["phases_mib"] = phase_peaks(step.call, baseline)
+            inventory.update(held_against_freed(step.model, workload, config))
     except Exception as error:
         return {"failed": failure(error)}
     return {"first_mib": first, "later_mib": later, "baseline_mib": baseline, **inventory}
@@ -550,6 +556,86 @@ def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         torch_quantities._per_layer = per_layer
+
+
+# The low-memory mode's phases: pergrad's function (in capture/torch_passes) that ends each
+LOWMEM_PHASES = {
+    "forward": "forward pass",
+    "_first_backward": "first backward pass (each layer's norms in its hook)",
+    "_reduce_before_layout_check": "the rest of the norms",
+    "second_pass": "second backward pass (each layer's clipped sum in its hook)",
+}
+
+
+def phase_peaks(call: Callable[[], Any], baseline: float) -> dict[str, float]:
+    """The peak RSS (MiB above ``baseline``) of each phase of one step of pergrad's low-memory
+    mode (:data:`LOWMEM_PHASES`, then the noise and the optimizer's step), read where the
+    function that ends the phase returns."""
+    from pergrad._src.capture import torch_passes  # the functions each phase ends with
+
+    peaks: dict[str, float] = {}
+
+    def mark(phase: str) -> None:
+        peaks[phase] = max(peaks.get(phase, -math.inf), status_mib("VmHWM") - baseline)
+        reset_peak()
+
+    def marking(function: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            finally:
+                mark(phase)
+
+        return marked
+
+    originals = {name: getattr(torch_passes, name) for name in LOWMEM_PHASES}
+    for name, phase in LOWMEM_PHASES.items():
+        setattr(torch_passes, name, marking(originals[name], phase))
+    try:
+        reset_peak()
+        call()
+        mark("noise and the optimizer's step")
+    finally:
+        for name, function in originals.items():
+            setattr(torch_passes, name, function)
+    return peaks
+
+
+def held_against_freed(model: Any, workload: Workload, config: Config) -> dict[str, float]:
+    """What holding every hooked layer's records through the backward pass (the one-pass
+    mode) costs, against what a backward pass that does not retain its graph frees (the
+    low-memory mode's retains it), in MiB, from one forward pass of ``model`` on the batch:
+    the layers' output gradients (each call's output size), and autograd's saved tensors
+    that are no hooked layer's input (the inputs are held either way)."""
+    import torch
+
+    import pergrad
+    from pergrad._src.capture.torch_plan import plan  # the layers the ghost step hooks
+
+    loss = pergrad.module_loss(model, loss_fn)
+    layers = plan(loss, loss.params()).layers
+    saved: dict[int, int] = {}
+    inputs: set[int] = set()
+    outputs = [0]
+
+    def keep(x: Any) -> Any:
+        if x.is_floating_point():
+            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    def record(module: Any, args: Any, output: Any) -> None:
+        inputs.update(a.untyped_storage().data_ptr() for a in args if torch.is_tensor(a))
+        outputs[0] += output.numel() * output.element_size() if torch.is_tensor(output) else 0
+
+    handles = [model.get_submodule(name).register_forward_hook(record) for name in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            model(**batch(workload, config)[0])
+    finally:
+        for handle in handles:
+            handle.remove()
+    freed = sum(size for pointer, size in saved.items() if pointer not in inputs)
+    return {"held_grads_mib": outputs[0] / 2**20, "freed_activations_mib": freed / 2**20}
 
 
 def nbytes(x: Any) -> int:
@@ -696,6 +782,28 @@ def notes(
             f"{mem['input_records_mib']:.0f} MiB (partly kept by autograd anyway); the step's "
             f"extra over the non-private one "
             f"{mem['later_mib'] - base.get('later_mib', math.nan):.0f} MiB"
+        )
+    phased = [r for r in results if "phases_mib" in r["memory"].get("pergrad low-memory", {})]
+    if phased:
+        lines.append(
+            "- Where pergrad's low-memory mode peaks (one more later step, the peak of each "
+            "phase above the same baseline, MiB; the non-private step's peak in brackets): "
+            "its first backward pass retains the graph, so every activation stays alive "
+            "through it and its hooks' transients (a layer's norms) come on top. Holding "
+            "layers' records instead of recomputing them (a second pass truncated above "
+            "them) would not lower it where the layers' output gradients outweigh the "
+            "activations that a pass not retaining its graph frees (each summed over every "
+            "hooked layer, after the phases):"
+        )
+    for result in phased:
+        low = result["memory"]["pergrad low-memory"]
+        base = result["memory"][BASE]
+        plain = max(base.get("first_mib", math.nan), base.get("later_mib", math.nan))
+        split = ", ".join(f"{phase} {mib:.0f}" for phase, mib in low["phases_mib"].items())
+        lines.append(
+            f"  - {result['workload'].name}: {split} ({plain:.0f}); output gradients "
+            f"{low['held_grads_mib']:.0f} MiB against {low['freed_activations_mib']:.0f} MiB "
+            f"of activations"
         )
     lines.append(
         "- Opacus's ghost clipping refuses a parameter used twice in one forward pass (GPT-2's "

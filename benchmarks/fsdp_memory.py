@@ -3,7 +3,7 @@ processes (issue 37): pergrad's ``DPOptimizer`` against the non-private FSDP2 st
 Opacus's FSDP ghost clipping.
 
 Run:  python benchmarks/fsdp_memory.py [--quick] [--worlds 1,2,4] [--rounds R] [--out PATH.md]
-          [--mixed-precision]
+          [--mixed-precision [bfloat16|float16]]
 
 The committed results: ``python benchmarks/fsdp_memory.py --out
 benchmarks/results/cpu/fsdp_memory.md`` (11 minutes on the 2-core machine at load 15-20).
@@ -27,8 +27,9 @@ embeddings, on each block, on the lm head and on the root, so that the columns c
 methods and not the wrapping (Opacus's own ``FSDP2Wrapper`` shards only the layers Opacus has a
 rule for, and GPT-2's ``Conv1D`` projections are not among them: they would stay in the root's
 group). N = 1: no FSDP and no sharding, the single-process baseline (pergrad's ``DPOptimizer``
-without ``distributed``, Opacus's ``"ghost"``). ``--mixed-precision``: N > 1 shards every
-method's model with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (pergrad
+without ``distributed``, Opacus's ``"ghost"``). ``--mixed-precision [DTYPE]``: N > 1 shards every
+method's model with ``MixedPrecisionPolicy(param_dtype=DTYPE, reduce_dtype=float32)``, DTYPE
+``bfloat16`` (the default) or ``float16`` (pergrad
 then forms its clipped sum from the records in float32, ``torch/fsdp.py``); N = 1 stays the
 float32 baseline. All DP steps: ``max_norm=1``,
 ``noise_multiplier=1``, one fixed batch (no Poisson sampling), the global expected batch size.
@@ -109,11 +110,13 @@ class Config:
     vocab: int = 8192
     length: int = 128
     batch: int = 4  # examples per process
-    mixed_precision: bool = False  # N > 1: bfloat16 parameters in the passes, float32 reduction
+    # N > 1: parameters in this dtype in the passes ("bfloat16", "float16"), float32 reduction
+    mixed_precision: str | None = None
 
     def describe(self) -> str:
         precision = (
-            "; N > 1 sharded with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)"
+            f"; N > 1 sharded with MixedPrecisionPolicy(param_dtype={self.mixed_precision}, "
+            f"reduce_dtype=float32)"
             if self.mixed_precision
             else ""
         )
@@ -168,7 +171,7 @@ def shard(model: Any, config: Config) -> Any:
     options = {}
     if config.mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=getattr(torch, config.mixed_precision), reduce_dtype=torch.float32
         )
     body = model.transformer
     for module in (body.wte, body.wpe, *body.h, model.lm_head):
@@ -509,11 +512,11 @@ def worker(world: int, rank: int, store: str, out: str, config: Config, rounds: 
 # The driver: N processes for each N, then the table.
 
 
-def run_world(world: int, quick: bool, rounds: int, mixed: bool = False) -> dict[str, Any]:
+def run_world(world: int, quick: bool, rounds: int, mixed: str | None = None) -> dict[str, Any]:
     """Start ``world`` workers, wait for them, and return their results by rank (or why not)."""
     with tempfile.TemporaryDirectory(prefix="fsdp_memory_") as directory:
         command = [sys.executable, __file__, "--rounds", str(rounds)] + ["--quick"] * quick
-        command += ["--mixed-precision"] * mixed
+        command += ["--mixed-precision", mixed] if mixed else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", **FREED_BUFFERS_TO_THE_OS}
         store = str(Path(directory, "store"))
         processes = [
@@ -739,7 +742,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; quick 2)")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument(
-        "--mixed-precision", action="store_true", help="N > 1: bfloat16 MixedPrecisionPolicy"
+        "--mixed-precision",
+        nargs="?",
+        const="bfloat16",
+        choices=["bfloat16", "float16"],
+        help="N > 1: a MixedPrecisionPolicy with param_dtype bfloat16 (the default) or float16",
     )
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

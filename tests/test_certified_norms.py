@@ -90,6 +90,26 @@ def test_torch_bound_covers_the_rounding(seed, length, width_in, width_out, canc
     assert_certified(found.estimate.numpy(), found.bound.numpy(), exact_squared(inputs, grads))
 
 
+@settings(max_examples=12, deadline=None)
+@given(**SIZES)
+def test_torch_bound_covers_bfloat16_output_gradients_beside_float32_inputs(
+    seed, length, width_in, width_out, cancel, bound_alone
+):
+    """Under autocast a user-level quantity's records come as float32 inputs and bfloat16
+    output gradients: the bound must cover the numbers as given (their Gram matrix must not be
+    rounded in bfloat16 under a float32 bound)."""
+    inputs, grads = records(seed, 3, length, width_in, width_out, cancel)
+    low = torch.from_numpy(grads).to(torch.bfloat16)
+    tolerance = math.inf if bound_alone else cost.ROUNDING_TOLERANCE
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "ROUNDING_TOLERANCE", tolerance)
+        found = torch_layers.outer_product_squared_norms(
+            torch.from_numpy(inputs)[:, None], low[:, None]
+        )
+    exact = exact_squared(inputs, low.float().numpy())
+    assert_certified(found.estimate.float().numpy(), found.bound.float().numpy(), exact)
+
+
 @settings(max_examples=8, deadline=None)
 @given(**SIZES)
 def test_jax_bound_covers_the_rounding(seed, length, width_in, width_out, cancel, bound_alone):

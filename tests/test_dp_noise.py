@@ -262,3 +262,64 @@ def test_dp_optimizer_warns_when_a_poisson_accountant_meets_the_realised_batch_s
     with warnings.catch_warnings():
         warnings.simplefilter("error", pergrad.PrivacyWarning)
         make(expected_batch_size=4.0)
+
+
+# --- the draws: what the accountant assumes ---------------------------------------------------
+
+
+def reference_noise(leaves, std, seed):
+    """``std * z`` for each leaf, ``z`` drawn leaf by leaf in flat order from a generator of
+    ``seed``, one ``torch.randn`` of the leaf's shape and dtype each: the draws of one Gaussian
+    mechanism per leaf that the accountant composes."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [std * torch.randn(x.shape, generator=generator, dtype=x.dtype) for x in leaves]
+
+
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("group_numbers", [1, 50, 2**24])
+def test_gaussian_noise_is_a_draw_per_leaf_in_order(monkeypatch, owned, group_numbers):
+    torch = pytest.importorskip("torch")
+    from pergrad._src.dp import noise as noise_module
+
+    monkeypatch.setattr(noise_module, "GROUP_NUMBERS", group_numbers)  # groups of leaves
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randn(3, generator=generator)
+    leaves = [
+        torch.randn(4, 5, generator=generator),
+        torch.randn((), generator=generator, dtype=torch.float64),
+        shared,
+        torch.randn(33, generator=generator),
+        shared,  # the same array twice: two draws, both added
+    ]
+    expected = [x.clone() for x in leaves]
+    for k, drawn in enumerate(reference_noise(leaves, 0.7, seed=5)):
+        expected[k] = (expected[2] if k == 4 and owned else expected[k]) + drawn
+    noisy, _ = dp.gaussian().add(
+        list(leaves), 0.7, torch.Generator().manual_seed(5), (), owned=owned
+    )
+    for got, want in zip(noisy, expected):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_dp_optimizer_noise_is_the_reference_draws():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    std, batch_size, lr = 0.3, 5, 0.1
+    optimizer = dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        model,
+        lambda out, y: 0.0 * (out * y).sum(),  # zero gradients: the update is the noise alone
+        max_norm=1.0,
+        noise_multiplier=std,
+        expected_batch_size=batch_size,
+        generator=torch.Generator().manual_seed(11),
+    )
+    optimizer.step(torch.randn(batch_size, 3), torch.randn(batch_size, 2))
+    for p, p0, drawn in zip(model.parameters(), before, reference_noise(before, std, seed=11)):
+        assert torch.equal(p.detach(), p0 - lr * (drawn / batch_size))

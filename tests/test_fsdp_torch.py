@@ -196,16 +196,29 @@ def train(model: nn.Module, optimizer: Any, data: Any, world_size: int, rank: in
     return [optimizer.step(inputs[i], targets[i]) for i in batches(world_size, rank)]
 
 
-def join_gloo(world_size: int, rank: int, store: str) -> None:
-    """This worker process in the gloo group of ``world_size`` (one torch thread each)."""
+def join_gloo(world_size: int, rank: int, store: str, timeout: float = 60.0) -> None:
+    """This worker process in the gloo group of ``world_size`` (one torch thread each); a
+    collective waits ``timeout`` seconds at most."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"file://{store}",
         world_size=world_size,
         rank=rank,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=timeout),
     )
+
+
+def leave_gloo(seen: dict[str, Any], out: str, rank: int) -> None:
+    """Save what this worker ``seen`` to ``OUT/rank<r>.pt``, leave the gloo group with the
+    others, and exit."""
+    torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
+    torch.distributed.destroy_process_group()
+    # gloo can still abort in C++ destructors at interpreter exit (exit -6): skip them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def worker(world_size: int, rank: int, store: str, out: str) -> None:
@@ -294,13 +307,7 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
         seen["transformer stats"] = train(model, optimizer, make_tokens(), world_size, rank)
         seen["transformer"] = gathered(model)
 
-    torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
-    torch.distributed.destroy_process_group()
-    # gloo can still abort in C++ destructors at interpreter exit (exit -6): skip them
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_gloo(seen, out, rank)
 
 
 def refusals(world_size: int) -> dict[str, str]:
@@ -325,10 +332,15 @@ def refusals(world_size: int) -> dict[str, str]:
 
 
 def run_workers(
-    world_size: int, directory: Path, transformer: bool, script: str = __file__
+    world_size: int,
+    directory: Path,
+    transformer: bool,
+    script: str = __file__,
+    timeout: float = 240.0,
 ) -> list[dict[str, Any]]:
     """Run ``script`` (this file, or another that plays its own scenarios) as ``world_size``
-    worker processes; what each saw, by rank."""
+    worker processes, failing if they take more than ``timeout`` seconds; what each saw, by
+    rank."""
     environment = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -346,11 +358,11 @@ def run_workers(
         for rank in range(world_size)
     ]
     try:
-        outputs = [process.communicate(timeout=240)[0] for process in processes]
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
     except subprocess.TimeoutExpired:
         for process in processes:
             process.kill()
-        pytest.fail(f"{world_size} workers did not finish in 240 s: a collective hung")
+        pytest.fail(f"{world_size} workers did not finish in {timeout} s: a collective hung")
     for rank, (process, output) in enumerate(zip(processes, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output}"
     return [

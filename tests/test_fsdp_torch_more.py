@@ -42,6 +42,7 @@ from test_fsdp_torch import (  # noqa: E402
     error_of,
     gathered,
     join_gloo,
+    leave_gloo,
     make_data,
     make_mlp,
     make_tokens,
@@ -96,6 +97,24 @@ def bf16_policy() -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def fp16_policy() -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+
+
+def adaptive(count_noise_std: float = 0.0) -> Any:
+    """Adaptive clipping that moves the bound fast (a few steps show it)."""
+    return dp.adaptive(count_noise_std=count_noise_std, target_quantile=0.5, learning_rate=0.5)
+
+
+def with_overflowing_example(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data with an input past float16's range (65504) in the noise step's first example."""
+    inputs = data[0].clone()
+    inputs[batches()[noise_step()][0], 3] = 1e6
+    return inputs, data[1]
 
 
 def user_batches() -> list[list[int]]:
@@ -183,28 +202,32 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
         optimizer.step(tokens[0][indices], tokens[1][indices])
     seen["tied group"] = gathered(model)
 
-    # Mixed precision: bfloat16 parameters in the passes, float32 shards and sums.
-    model = make_mlp()
-    shard(model, [model[0], model[2]], mp_policy=bf16_policy())
-    optimizer = dp_optimizer(model, float32_loss, noise_multiplier=0.0, distributed=True)
-    seen["mixed stats"] = [
-        optimizer.step(data[0][i], data[1][i]) for i in batches(world_size, rank)
-    ]
-    seen["mixed"] = gathered(model)
-    model = make_mlp()
-    shard(model, [model[0], model[2]], mp_policy=bf16_policy())
-    optimizer = single_step_optimizer(model, float32_loss)
-    steps = [(0, [i], False) for i in range(BOUND_EXAMPLES)]
-    seen["mixed bound"] = clipped_sum_norms(model, optimizer, rank, steps)
+    # Mixed precision: bfloat16 parameters in the passes, float32 shards and sums; the same in
+    # float16, whose range ends at 65504 (the records' norms and sums must not be formed in it).
+    seen.update(mixed_precision_steps("mixed", bf16_policy(), with_nan_example, world_size, rank))
+    seen.update(
+        mixed_precision_steps("fp16", fp16_policy(), with_overflowing_example, world_size, rank)
+    )
 
-    # ... and an example whose gradient is not finite (a nan in its input) adds nothing.
+    # Adaptive clipping: the bound moves as in one process, by example and by user, and with
+    # the count's noise drawn on rank 0 (each rank seeds its generator differently).
+    for case, options in (
+        ("adaptive", {"noise_multiplier": 0.0, "clipping": adaptive()}),
+        ("adaptive noise", {**noisy(rank), "clipping": adaptive(count_noise_std=1.0)}),
+    ):
+        model = make_mlp()
+        shard(model, [model[0], model[2]])
+        optimizer = dp_optimizer(model, distributed=True, **options)
+        stats = [optimizer.step(data[0][i], data[1][i]) for i in batches(world_size, rank)]
+        seen[case], seen[f"{case} bounds"] = gathered(model), [s.max_norm for s in stats]
+        seen[f"{case} final bound"] = optimizer.max_norm
     model = make_mlp()
-    shard(model, [model[0], model[2]], mp_policy=bf16_policy())
-    optimizer = dp_optimizer(model, float32_loss, noise_multiplier=0.0, distributed=True)
-    indices = batches(world_size, rank)[noise_step()]
-    inputs, targets = with_nan_example(data)
-    seen["mixed nonfinite stats"] = optimizer.step(inputs[indices], targets[indices])
-    seen["mixed nonfinite"] = gathered(model)
+    shard(model, [model[0], model[2]])
+    optimizer = user_optimizer(model, noise_multiplier=0.0, clipping=adaptive(), distributed=True)
+    for step in range(STEPS):
+        mine = of_rank(user_batches()[step], world_size, rank)
+        optimizer.step(data[0][mine], data[1][mine], user_ids=USERS[mine])
+    seen["adaptive users"], seen["adaptive users bound"] = gathered(model), optimizer.max_norm
 
     # torch.autocast around the step, float32 shards.
     model = make_mlp()
@@ -265,12 +288,36 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     seen["refused"] = refusals(world_size, rank)
     seen["low memory alive"], seen["low memory"] = low_memory_steps(world_size, rank, data)
 
-    torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
-    torch.distributed.barrier()  # leave together: tearing gloo down under a peer aborts it
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_gloo(seen, out, rank)
+
+
+def mixed_precision_steps(
+    case: str, policy: Any, unusual: Any, world_size: int, rank: int
+) -> dict[str, Any]:
+    """The MLP sharded with the mixed-precision ``policy``: the steps (``case``, with their
+    statistics), the single-example clipped sums' norms (``case bound``), and one step on the
+    data with an example made non-finite by ``unusual`` (``case nonfinite``)."""
+    data, seen = make_data(), {}
+    model = make_mlp()
+    shard(model, [model[0], model[2]], mp_policy=policy)
+    optimizer = dp_optimizer(model, float32_loss, noise_multiplier=0.0, distributed=True)
+    seen[f"{case} stats"] = [
+        optimizer.step(data[0][i], data[1][i]) for i in batches(world_size, rank)
+    ]
+    seen[case] = gathered(model)
+    model = make_mlp()
+    shard(model, [model[0], model[2]], mp_policy=policy)
+    optimizer = single_step_optimizer(model, float32_loss)
+    steps = [(0, [i], False) for i in range(BOUND_EXAMPLES)]
+    seen[f"{case} bound"] = clipped_sum_norms(model, optimizer, rank, steps)
+    model = make_mlp()
+    shard(model, [model[0], model[2]], mp_policy=policy)
+    optimizer = dp_optimizer(model, float32_loss, noise_multiplier=0.0, distributed=True)
+    indices = batches(world_size, rank)[noise_step()]
+    inputs, targets = unusual(data)
+    seen[f"{case} nonfinite stats"] = optimizer.step(inputs[indices], targets[indices])
+    seen[f"{case} nonfinite"] = gathered(model)
+    return seen
 
 
 def low_memory_steps(world_size: int, rank: int, data: Any) -> tuple[list[int], Any]:
@@ -356,10 +403,12 @@ def reference_steps(model: nn.Module, data: Any, steps: list[list[int]], **optio
     return stats, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def autocast_reference() -> tuple[list[Any], dict[str, torch.Tensor]]:
-    """The single-process ghost steps of the MLP under autocast to bfloat16, no noise: their
+def autocast_reference(
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """The single-process ghost steps of the MLP under autocast to ``dtype``, no noise: their
     statistics and the parameters after them."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         return reference_steps(
             make_mlp(),
             make_data(),
@@ -423,24 +472,95 @@ def test_tied_weights_get_the_single_process_noise(workers):
         assert float(noise.std()) > 0.05
 
 
-def test_mixed_precision_steps_as_one_process_under_autocast(workers):
+PRECISIONS = pytest.mark.parametrize(
+    "case, dtype", [("mixed", torch.bfloat16), ("fp16", torch.float16)], ids=["bf16", "fp16"]
+)
+
+
+@PRECISIONS
+def test_mixed_precision_steps_as_one_process_under_autocast(workers, case, dtype):
     world_size, seen = workers
-    stats, expected = autocast_reference()
+    stats, expected = autocast_reference(dtype)
     for rank in range(world_size):
-        for name, value in expected.items():  # (FSDP casts the inputs to bfloat16 too)
-            torch.testing.assert_close(seen[rank]["mixed"][name], value, rtol=1e-3, atol=5e-4)
-        got = [s.clip_fraction for s in seen[rank]["mixed stats"]]
+        for name, value in expected.items():  # (FSDP casts the inputs to dtype too)
+            torch.testing.assert_close(seen[rank][case][name], value, rtol=1e-3, atol=5e-4)
+        got = [s.clip_fraction for s in seen[rank][f"{case} stats"]]
         assert got == pytest.approx([s.clip_fraction for s in stats])
     assert_moved(expected, make_mlp(), 5e-2)
 
 
-def test_mixed_precision_keeps_every_example_within_max_norm(workers):
+@PRECISIONS
+def test_mixed_precision_keeps_every_example_within_max_norm(workers, case, dtype):
+    """Inputs 100 times the data's: gradients far past max_norm, and each example's ``|x|^2``
+    (about 2e5) past float16's range; each is clipped to max_norm, not dropped."""
     world_size, seen = workers
     for rank in range(world_size):
-        norms = seen[rank]["mixed bound"]
+        norms = seen[rank][f"{case} bound"]
         assert len(norms) == BOUND_EXAMPLES
-        for norm in norms:  # clipped (the gradients are far past it), and to float32 rounding
+        for norm in norms:  # clipped, and to float32 rounding
             assert MAX_NORM * (1 - 1e-3) < norm <= MAX_NORM * (1 + 1e-5), norms
+
+
+def test_float16_leaves_out_an_example_past_its_range(workers):
+    """An input past float16's range becomes inf in the passes (FSDP casts it): the example
+    adds nothing (counted in ``nonfinite``), the others step as in one process without it.
+    (Not autocast's step with it: autocast records the layer's float32 input, which is
+    finite.)"""
+    world_size, seen = workers
+    indices = batches()[noise_step()]
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, expected = reference_steps(
+            make_mlp(),
+            make_data(),
+            [indices[1:]],  # (expected_batch_size fixed: the same denominator)
+            loss_fn=float32_loss,
+            noise_multiplier=0.0,
+            strategy="ghost",
+        )
+    for rank in range(world_size):
+        for name, value in expected.items():
+            got = seen[rank]["fp16 nonfinite"][name]
+            torch.testing.assert_close(got, value, rtol=1e-3, atol=5e-4, msg=name)
+    assert sum(seen[rank]["fp16 nonfinite stats"].nonfinite for rank in range(world_size)) == 1
+    assert_moved(expected, make_mlp(), 1e-2)
+
+
+@pytest.mark.parametrize("case", ["adaptive", "adaptive noise"])
+def test_adaptive_clipping_moves_the_bound_as_in_one_process(workers, case):
+    world_size, seen = workers
+    options = {"noise_multiplier": 0.0, "clipping": adaptive()}
+    if case == "adaptive noise":  # both noises drawn from rank 0's generator
+        generator = torch.Generator().manual_seed(NOISE_SEED)
+        options = {
+            "noise_multiplier": NOISE_MULTIPLIER,
+            "generator": generator,
+            "lr": 1.0,
+            "clipping": adaptive(count_noise_std=1.0),
+        }
+    model = make_mlp()
+    optimizer = dp_optimizer(model, **options)
+    stats = [optimizer.step(*(t[i] for t in make_data())) for i in batches()]
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    bounds = [s.max_norm for s in stats]
+    assert len(set(bounds)) == len(bounds)  # it moves at every step
+    for rank in range(world_size):
+        assert seen[rank][f"{case} bounds"] == pytest.approx(bounds, rel=1e-6)
+        assert seen[rank][f"{case} final bound"] == pytest.approx(optimizer.max_norm, rel=1e-6)
+        assert_params_equal(seen[rank][case], expected)
+
+
+def test_adaptive_clipping_by_user_moves_the_bound_as_in_one_process(workers):
+    world_size, seen = workers
+    model = make_mlp()
+    optimizer = user_optimizer(model, noise_multiplier=0.0, clipping=adaptive())
+    data = make_data()
+    for indices in user_batches():
+        optimizer.step(data[0][indices], data[1][indices], user_ids=USERS[indices])
+    assert optimizer.max_norm != MAX_NORM
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for rank in range(world_size):
+        assert seen[rank]["adaptive users bound"] == pytest.approx(optimizer.max_norm, rel=1e-6)
+        assert_params_equal(seen[rank]["adaptive users"], expected)
 
 
 def test_user_level_micro_batches_step_as_one_batch(workers):

@@ -2,10 +2,11 @@
 
 After the first call of a layout (which differentiates everything, to check it), a ghost pass
 differentiates only what reaches each layer's output: a bias, or, for a bias-free layer (every
-layer of Llama, an LM head, an embedding), the layer's recorded output itself -- unless an
-in-place op changed that output after the layer, when its hook would not fire; then the
-layer's weight is differentiated as before. Both routes must give the same clipped sums as
-per-example gradients formed by a loop of autograd calls.
+layer of Llama, an LM head, an embedding larger than its outputs), the layer's recorded output
+itself -- unless an in-place op changed that output after the layer, when its hook would not
+fire; then the layer's weight is differentiated as before. (A table smaller than its outputs
+has its weight differentiated, a scatter: ``test_lowmem_schedule.py``.) Both routes must give
+the same clipped sums as per-example gradients formed by a loop of autograd calls.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from pergrad._src.dp.from_loss import clipped_sum_of  # noqa: E402
 class BiasFree(nn.Module):
     def __init__(self, in_place: bool) -> None:
         super().__init__()
-        self.embed = nn.Embedding(20, 8)
+        # more numbers (64 x 8) than its outputs (6 x 7 x 8): its output is the light target
+        # (a smaller table has its weight differentiated, a scatter: test_lowmem_schedule.py)
+        self.embed = nn.Embedding(64, 8)
         self.hidden = nn.Linear(8, 8, bias=False)
         self.head = nn.Linear(8, 20, bias=False)
         self.in_place = in_place

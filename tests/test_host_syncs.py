@@ -11,6 +11,8 @@ arises. :class:`pergrad.bench.host_syncs.HostSyncs` counts them on any device.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -139,15 +141,7 @@ def test_a_loose_norm_is_tightened_as_before(monkeypatch) -> None:
     a, v = (x.double() for x in args)
     exact = torch.einsum("btp,btq->bpq", a, v).flatten(1).norm(dim=1)
     pergrad.norms.per_example_norms_of(loss, loss.params(), *args, strategy="ghost")  # checks
-    routes = []  # each computation of the layer's norms: in float64 (the loose rows) or not
-    in_chunks = torch_norms._in_chunks
-    monkeypatch.setattr(
-        torch_norms,
-        "_in_chunks",
-        lambda *args, **kwargs: (
-            routes.append(kwargs.get("wide", False)) or in_chunks(*args, **kwargs)
-        ),
-    )
+    routes = float64_routes(monkeypatch)  # each computation of the norms: float64 or not
     norms = {}
     for deferred in (True, False):
         monkeypatch.setattr(cost, "DEFERRED_READS", deferred)
@@ -170,3 +164,127 @@ def test_distinct_slots_are_unique_padded(size: int) -> None:
     assert torch.equal(slot_of_position, inverse)
     assert torch.equal(slot_keys[: len(distinct)], distinct)
     assert not slot_keys[len(distinct) :].any()
+
+
+class CancellingLayer(nn.Module):
+    """A linear layer (its weight's per-example gradient ``sum_t a_t v_t^T`` does not depend
+    on the weight) and a second one after it, whose norms stay tight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.first(inputs) + self.second(torch.tanh(inputs))
+
+
+def loose_dp_steps(
+    steps: int, noise: float = 0.0, nonfinite: bool = False
+) -> tuple[nn.Module, pergrad.dp.DPOptimizer]:
+    """A model whose first layer has a loose certified norm at every step (the first
+    example's positions cancel, :func:`cancelling_linear`'s records) and its DPOptimizer
+    (the ghost strategy), after ``steps`` steps on that batch (with ``nonfinite``, the last
+    example's input has an inf from the second step on: the first call's checks compare
+    each example's loss alone with the batch's)."""
+    inputs, weights = loose_batch()
+    torch.manual_seed(0)
+    model = CancellingLayer()
+    private = pergrad.dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        lambda out, w: (out * w).sum(),
+        max_norm=0.5,
+        noise_multiplier=noise,
+        expected_batch_size=BATCH,
+        strategy="ghost",
+        generator=torch.Generator().manual_seed(3),
+    )
+    private.step(inputs, weights)
+    for _ in range(steps - 1):
+        private.step(*loose_batch(nonfinite))
+    return model, private
+
+
+def loose_batch(nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cancelling_linear`'s records, the cancelling example second (rows found by
+    position, not the first); with ``nonfinite``, the last example's input has an inf."""
+    _, args = cancelling_linear(cancel=1e-5)
+    inputs, weights = (x.roll(1, 0) for x in args)
+    if nonfinite:
+        inputs[-1, 0, 0] = float("inf")
+    return inputs, weights
+
+
+def float64_routes(monkeypatch) -> list[bool]:
+    """Record, for each computation of a dense layer's norms, whether it ran in float64 (the
+    loose rows again) or not."""
+    routes: list[bool] = []
+    in_chunks = torch_norms._in_chunks
+    monkeypatch.setattr(
+        torch_norms,
+        "_in_chunks",
+        lambda *args, **kwargs: (
+            routes.append(kwargs.get("wide", False)) or in_chunks(*args, **kwargs)
+        ),
+    )
+    return routes
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_a_step_that_tightens_a_loose_norm_reads_the_host_twice(
+    monkeypatch, nonfinite: bool
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-finite example's, once
+        _, private = loose_dp_steps(2, nonfinite=nonfinite)
+    inputs, weights = loose_batch(nonfinite)
+    routes = float64_routes(monkeypatch)
+    with HostSyncs(within="pergrad") as syncs:
+        taken = private.step(inputs, weights)
+    assert taken.nonfinite == int(nonfinite)
+    assert True in routes  # a loose example was computed again in float64
+    assert syncs.count == STEADY_STATE_SYNCS, syncs.top_sites()
+    monkeypatch.setattr(cost, "DEFERRED_READS", False)
+    routes.clear()
+    with HostSyncs(within="pergrad") as syncs:
+        private.step(inputs, weights)
+    assert True in routes
+    # the layer's own reads (whether any is loose, which), the finiteness's and the tie's
+    assert syncs.count >= STEADY_STATE_SYNCS + 2, syncs.top_sites()
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_tightening_without_a_read_gives_the_same_update_bit_for_bit(
+    monkeypatch, nonfinite: bool
+) -> None:
+    updates = []
+    for deferred in (True, False):
+        monkeypatch.setattr(cost, "DEFERRED_READS", deferred)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the non-finite example's, once
+            model, _ = loose_dp_steps(3, noise=1.0, nonfinite=nonfinite)
+        updates.append([p.detach().clone() for p in model.parameters()])
+    for deferred, before in zip(*updates):
+        assert torch.equal(deferred, before)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_rows_are_the_true_entries_in_order(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(3 + 5 * seed, generator=generator) < 0.4
+    expected = mask.nonzero().squeeze(1)
+    assert torch.equal(torch_norms.first_rows(mask, len(expected)), expected)
+
+
+def test_tightening_that_could_overflow_leaves_the_finiteness_to_read() -> None:
+    huge = torch.finfo(torch.float32).max / 2
+    tight = cost.Certified(torch.tensor([1.0, 2.0]), torch.tensor([1e-6, 1e-6]))
+    loose = cost.Certified(torch.tensor([1.0, huge / 2]), torch.tensor([1e-6, huge]))
+    counts, keeps_finite, order = torch_norms.loose_counts([tight, loose])
+    assert [int(counts[k]) for k in range(2)] == [0, 1] and order == [0, 1]
+    assert not bool(keeps_finite)
+    # loose, but its upper bound far from overflowing; or near it, but not loose
+    moderate = cost.Certified(torch.tensor([1.0, huge / 4]), torch.tensor([1.0, 1.0]))
+    counts, keeps_finite, _ = torch_norms.loose_counts([tight, moderate])
+    assert [int(count) for count in counts] == [0, 1] and bool(keeps_finite)

@@ -155,7 +155,20 @@ class _Ops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_NOT_KERNELS = frozenset({"detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_like"})
+# no kernel: views, and allocations (the caching allocator hands out memory without one)
+_NOT_KERNELS = frozenset(
+    {
+        "detach",
+        "alias",
+        "_unsafe_view",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+    }
+)
 _HERE = "host_syncs.py"
 _TORCH = os.path.dirname(torch.__file__)
 

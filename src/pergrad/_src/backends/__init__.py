@@ -149,9 +149,15 @@ class Backend(Protocol):
     def from_numpy(self, x: Any, like: Any) -> Any:
         """``x`` as an array of this framework, on the device of ``like``."""
 
-    def add_scaled(self, x: Any, noise: Any, scale: float, in_place: bool) -> Any:
-        """``x + scale * noise``, rounded as written (``scale * noise``, then the sum); with
-        ``in_place``, into ``x`` and ``noise`` (PyTorch; JAX arrays are not written)."""
+    def add_scaled(
+        self, xs: Sequence[Any], noises: Sequence[Any], scale: float, in_place: Sequence[bool]
+    ) -> list[Any]:
+        """``x + scale * noise`` for each ``x`` of ``xs`` and ``noise`` of ``noises``, rounded
+        as written (``scale * noise``, then the sum); where ``in_place``, into ``x`` (and into
+        ``noise`` always: the draws are the caller's; PyTorch, JAX arrays are not written). The
+        pairs written in place are added before the others, so an ``x`` listed twice gets
+        both. PyTorch: a few ``torch._foreach_*`` ops for all the pairs (on an accelerator a
+        handful of kernels, not two a pair)."""
 
     def standard_normal(self, rng: Any, like: Any) -> Any:
         """Standard normal noise shaped like ``like``: ``rng`` is a JAX key or a

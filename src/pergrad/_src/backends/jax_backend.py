@@ -167,9 +167,11 @@ class JaxBackend:
             return io_callback(draw, jax.ShapeDtypeStruct(shape, dtype), ordered=True)
         return jax.random.normal(rng, shape, dtype)
 
-    def add_scaled(self, x: Any, noise: Any, scale: float, in_place: bool) -> Any:
+    def add_scaled(
+        self, xs: Sequence[Any], noises: Sequence[Any], scale: float, in_place: Sequence[bool]
+    ) -> list[Any]:
         del in_place  # JAX arrays are immutable; under jit XLA reuses buffers by itself
-        return x + scale * noise
+        return [x + scale * noise for x, noise in zip(xs, noises)]
 
     def split_key(self, rng: Any, num: int) -> Any:
         if is_secure(rng):

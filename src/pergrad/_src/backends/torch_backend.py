@@ -193,10 +193,25 @@ class TorchBackend:
         draw = torch.randn(like.shape, generator=rng, dtype=like.dtype, device=device)
         return draw.to(like.device)
 
-    def add_scaled(self, x: Any, noise: Any, scale: float, in_place: bool) -> Any:
-        if in_place:
-            return x.detach().add_(noise.mul_(scale))
-        return x + scale * noise
+    def add_scaled(
+        self, xs: Sequence[Any], noises: Sequence[Any], scale: float, in_place: Sequence[bool]
+    ) -> list[Any]:
+        if not xs:
+            return []
+        torch._foreach_mul_(list(noises), scale)  # scale * noise, rounded, as one op would
+        result = list(xs)
+        owned = [k for k, own in enumerate(in_place) if own]
+        others = [k for k, own in enumerate(in_place) if not own]
+        if owned:
+            targets = [xs[k].detach() for k in owned]
+            torch._foreach_add_(targets, [noises[k] for k in owned])
+            for k, target in zip(owned, targets):
+                result[k] = target
+        if others:
+            added = torch._foreach_add([xs[k] for k in others], [noises[k] for k in others])
+            for k, value in zip(others, added):
+                result[k] = value
+        return result
 
     def split_key(self, rng: Any, num: int) -> Any:
         return [rng] * num  # a torch.Generator (or a SecureRandom) advances by itself

@@ -49,6 +49,13 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
     """
     positions, width_in = activations.shape[-2:]
     width_out = output_grads.shape[-1]
+    # One dtype for both, at least float32: under autocast a user-level quantity's records come
+    # as float32 inputs and bfloat16 output gradients, whose Gram matrix would be rounded in
+    # bfloat16 while the bound assumed the inputs' unit roundoff.
+    common = torch.promote_types(
+        torch.promote_types(activations.dtype, output_grads.dtype), torch.float32
+    )
+    activations, output_grads = activations.to(common), output_grads.to(common)
     if positions == 1:
         return _one_position(activations, output_grads)
     gram = gram_is_cheaper(positions, width_in, width_out)
@@ -61,12 +68,15 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
         # the fast precision could not certify a Gram sum tightly: float64, as before
         return _in_chunks(activations, output_grads, _gram_in, 0.0, wide=True)
     replay = _REPLAY.get()
+    loose_count = None
     if replay is not None and _has_float64(activations):
-        found = next(replay)  # this call's fast result, from the deferred pass (replayed)
+        # this call's fast result from the deferred pass, and how many of its examples are
+        # loose where the caller has read it (replayed)
+        found, loose_count = next(replay)
     else:
         route = _gram_in if gram else _formed_in
         found = _in_chunks(activations, output_grads, route, input_unit)
-    return _tightened(found, activations, output_grads, gram)
+    return _tightened(found, activations, output_grads, gram, loose_count)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -155,7 +165,11 @@ def _blocked_gram(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def _tightened(
-    found: Any, activations: torch.Tensor, output_grads: torch.Tensor, gram: bool
+    found: Any,
+    activations: torch.Tensor,
+    output_grads: torch.Tensor,
+    gram: bool,
+    loose_count: int | None = None,
 ) -> Any:
     """``found`` with the examples whose bound exceeds ``cost.ROUNDING_TOLERANCE`` of their
     estimate (positions that cancel) computed again from float64 copies of their records: by
@@ -169,7 +183,9 @@ def _tightened(
     hide it) every example is computed again and the loose ones' values taken by a mask,
     without the host ever waiting; a larger layer's work hides the stall, and it is read.
     Within :func:`deferred_tightening` (a ghost step's norms) nothing is read here: the caller
-    checks every layer's at once and runs a loose layer's rule again under :func:`replayed`."""
+    checks every layer's at once and runs a loose layer's rule again under :func:`replayed`,
+    which gives ``loose_count``, the number of loose examples it read: their rows are then
+    found on the device (:func:`first_rows`), without a read."""
     if not _has_float64(activations):
         return found
     deferred = _DEFERRED.get()
@@ -184,9 +200,14 @@ def _tightened(
             torch.where(loose, exact.estimate, found.estimate),
             torch.where(loose, exact.bound, found.bound),
         )
-    if not bool(loose.any()):
+    if loose_count is None:
+        if not bool(loose.any()):
+            return found
+        rows = loose.nonzero().squeeze(1)
+    elif loose_count == 0:
         return found
-    rows = loose.nonzero().squeeze(1)
+    else:
+        rows = first_rows(loose, loose_count)
     exact = _in_chunks(activations[rows], output_grads[rows], route, 0.0, wide=True)
     return cost.Certified(
         found.estimate.index_copy(0, rows, exact.estimate),
@@ -200,7 +221,7 @@ def deferred_tightening() -> Iterator[list[Any]]:
     certified norm (a ``cost.Certified`` pair) as the fast precision gave it (``estimate +
     bound`` is already an upper bound of the exact squared norm, only a looser one) and appends
     it to the list this yields, so that the caller checks every layer's at once
-    (:func:`loose_flags`, one host read a step: ``torch_quantities.squared_norms``) and tightens
+    (:func:`loose_counts`, one host read a step: ``torch_quantities.squared_norms``) and tightens
     only the layers where some example's bound is loose (:func:`replayed`)."""
     found: list[Any] = []
     token = _DEFERRED.set(found)
@@ -216,13 +237,28 @@ _DEFERRED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
 )
 
 
+def first_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the ``count`` true entries of the ``(B,)`` boolean ``mask``, ascending
+    (``mask.nonzero().squeeze(1)``, where ``count`` is known on the host), found without a
+    host read: a stable sort puts the true entries first, in their order."""
+    return torch.sort(mask.logical_not().to(torch.uint8), stable=True).indices[:count]
+
+
 @contextlib.contextmanager
-def replayed(found: list[Any]) -> Iterator[None]:
+def replayed(found: list[Any], loose_counts: list[int] | None = None) -> Iterator[None]:
     """Within it, :func:`outer_product_squared_norms` takes its fast-precision result from
     ``found`` (what :func:`deferred_tightening` collected from the same rule on the same
     records, in the order of its calls) instead of computing it again, and tightens it: a loose
-    layer's second run costs only its float64 examples."""
-    token = _REPLAY.set(iter(found))
+    layer's second run costs only its float64 examples. ``loose_counts``: for each of
+    ``found``, the number of its loose examples as the caller read them (:func:`loose_counts`),
+    so that the tightening reads nothing; None: each reads its own, as outside."""
+    counts = [None] * len(found) if loose_counts is None else loose_counts
+    if len(counts) != len(found):
+        raise ValueError(
+            f"replayed: loose_counts must have one count per certified norm in found "
+            f"({len(found)}); got {len(counts)}."
+        )
+    token = _REPLAY.set(zip(found, counts))
     try:
         yield
     finally:
@@ -234,24 +270,36 @@ _REPLAY: contextvars.ContextVar[Iterator[Any] | None] = contextvars.ContextVar(
 )
 
 
-def loose_flags(found: list[Any]) -> tuple[torch.Tensor, list[int]]:
-    """Whether some example of each certified norm in ``found`` (``cost.Certified`` pairs of
-    ``(B,)`` tensors, at least one) has a bound over ``cost.ROUNDING_TOLERANCE`` of its
-    estimate, the test :func:`_tightened` makes: a boolean tensor on the device, one flag per
-    pair, and the pairs' positions in ``found`` in its order. The pairs of one dtype and
-    device are checked together: a few kernels, whatever their number."""
+def loose_counts(found: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """How many examples of each certified norm in ``found`` (``cost.Certified`` pairs of
+    ``(B,)`` tensors, at least one) have a bound over ``cost.ROUNDING_TOLERANCE`` of their
+    estimate, the test :func:`_tightened` makes: an ``int64`` tensor on the device, one count
+    per pair, and the pairs' positions in ``found`` in its order; with it, a 0-d boolean
+    tensor: whether tightening those examples keeps every estimate finite (each one's upper
+    bound ``estimate + bound``, above its exact norm, is under a quarter of its dtype's
+    largest number, so the float64 value rounded back cannot overflow; a loose estimate is
+    itself finite, since ``nan`` and ``inf`` compare false). The pairs of one dtype and device
+    are checked together: a few kernels, whatever their number."""
     groups: dict[tuple[Any, Any], list[int]] = {}
     for k, pair in enumerate(found):
         groups.setdefault((pair.estimate.dtype, pair.estimate.device), []).append(k)
-    flags = []
-    for positions in groups.values():
+    counts, finite = [], []
+    for (dtype, _), positions in groups.items():
         estimates = torch.stack([found[k].estimate for k in positions])
         bounds = torch.stack([found[k].bound for k in positions])
-        flags.append(_loose(cost.Certified(estimates, bounds)).any(1))
+        loose = _loose(cost.Certified(estimates, bounds))
+        counts.append(loose.sum(1))
+        overflow = loose & ~(estimates + bounds < torch.finfo(dtype).max / 4)
+        finite.append(overflow.any().logical_not())
     order = [k for positions in groups.values() for k in positions]
-    if len(flags) == 1:
-        return flags[0], order
-    return torch.cat([f.to(flags[0].device) for f in flags]), order
+    device = counts[0].device
+    if len(counts) == 1:
+        return counts[0], finite[0], order
+    return (
+        torch.cat([c.to(device) for c in counts]),
+        torch.stack([f.to(device) for f in finite]).all(),
+        order,
+    )
 
 
 def _loose(found: Any) -> torch.Tensor:
@@ -355,25 +403,32 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     per_entry = (2 + count) * batch * groups * a.element_size()
     block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
     blocks = -(-positions // block)
-    norms_a, norms_d = magnitudes(a), magnitudes(d)
-    sums = a.new_zeros(count, batch)
+    # (2, B, G, T): |a_t| and |d_t| side by side, and each block's Gram matrices D then A, so
+    # that the bound's two outer products and their two products are one kernel each
+    norms = a.new_empty((2, batch, groups, positions))
+    torch.linalg.vector_norm(a, dim=-1, out=norms[0])
+    torch.linalg.vector_norm(d, dim=-1, out=norms[1])
+    sums = None
     for start in range(0, positions, block):
         rows = slice(start, start + block)
         for other in range(0, positions, block):
             cols = slice(other, other + block)
-            gram_a = a[:, :, rows] @ a[:, :, cols].transpose(-1, -2)
-            gram_d = d[:, :, rows] @ d[:, :, cols].transpose(-1, -2)
-            parts = gram_a.new_empty((count, *gram_a.shape))
-            torch.mul(gram_a, gram_d, out=parts[0])
+            size = (min(block, positions - start), min(block, positions - other))
+            grams = a.new_empty((2, batch, groups, *size))
+            torch.matmul(d[:, :, rows], d[:, :, cols].transpose(-1, -2), out=grams[0])
+            torch.matmul(a[:, :, rows], a[:, :, cols].transpose(-1, -2), out=grams[1])
+            parts = grams.new_empty((count, *grams.shape[1:]))
+            torch.mul(grams[1], grams[0], out=parts[0])
             if not coarse:
                 torch.abs(parts[0], out=parts[1])
-                torch.mul(norms_a[:, :, rows, None], norms_a[:, :, None, cols], out=parts[2])
-                torch.mul(norms_d[:, :, rows, None], norms_d[:, :, None, cols], out=parts[3])
-                parts[2].mul_(gram_d.abs_())
-                parts[3].mul_(gram_a.abs_())
-            sums += parts.sum(-1).sum(-1).sum(-1)
+                # |a_t||a_s| |D_ts| and |d_t||d_s| |A_ts|
+                torch.mul(norms[:, :, :, rows, None], norms[:, :, :, None, cols], out=parts[2:])
+                parts[2:].mul_(grams.abs_())
+            found = parts.sum(-1).sum(-1).sum(-1)
+            sums = found if sums is None else sums.add_(found)
+    assert sums is not None
     depth = 2 * block + groups + blocks * blocks
-    terms = torch.linalg.vecdot(norms_a, norms_d)  # (B, G): sum_t |a_t| |d_t|
+    terms = torch.linalg.vecdot(norms[0], norms[1])  # (B, G): sum_t |a_t| |d_t|
     raised = 1 + 2 * cost.gamma(depth + 2 * (width_in + width_out + positions) + 16, unit)
     summed = cost.gamma(depth + 1, unit)
     if coarse:  # |A_ts| <= (1 + alpha) |a_t||a_s|, |D_ts| <= (1 + beta) |d_t||d_s|

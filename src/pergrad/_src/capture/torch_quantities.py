@@ -84,14 +84,16 @@ def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) ->
     their uses, the formed per-example gradients' (``session.unit_grads``), and zeros where no
     hook saw the parameter (a layer whose output did not reach the loss).
 
-    What the host must know on the way (which layers have an example whose certified norm is
+    What the host must know on the way (how many examples of each layer's certified norms are
     loose, ``torch_norms.deferred_tightening``; whether a tied parameter's uses cancel; whether
     every norm is finite, for ``ghost_torch``) is read in one go at the end: on an accelerator
     each read stalls the host until the device has caught up, and one a layer would cost a
-    step tens of them. Only the layers a flag names run their rule again, their fast results
-    replayed (``torch_norms.replayed``) and tightened as before, with a read each; the same
-    values, bit for bit, as with ``cost.DEFERRED_READS`` off (each layer reads where it
-    runs)."""
+    step tens of them. Only the layers with a loose example run their rule again, their fast
+    results replayed (``torch_norms.replayed``) and tightened as before, the loose rows found
+    on the device from the counts read; the same values, bit for bit, as with
+    ``cost.DEFERRED_READS`` off (each layer reads where it runs). Whether every norm is finite
+    is known from the same read unless the tied parameters' norms are computed again or a
+    tightened norm could overflow (``all_finite`` None: ``ghost_torch`` reads it)."""
     owners = session.owners
     rest = {
         n: m for n, m in owners.modules.items() if n not in owners.sharing and n not in computed
@@ -103,30 +105,52 @@ def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) ->
     layers = _layer_norms(rest, session.records, owners, _deferred_norms(rest, loose))
     tied, tied_loose, cancelling = _tied_deferred(session)
     found = _leaf_norms(session, computed, layers, tied)
-    finite = all_finite(found)
     checked = [pair for pairs in loose.values() for pair in pairs] + tied_loose
-    owner_of = [name for name, pairs in loose.items() for _ in pairs] + [None] * len(tied_loose)
-    pair_flags, order = torch_norms.loose_flags(checked) if checked else (None, [])
-    flags = finite.new_zeros(0)
-    if cancelling or pair_flags is not None:
-        pieces = cancelling if pair_flags is None else [*cancelling, pair_flags]
-        flags = torch.cat([f.reshape(-1).to(finite.device) for f in pieces])
-    # the one host read: whether every norm is finite, and whether any is to compute again
-    summary = int(finite.to(torch.int64) + 2 * flags.any().to(torch.int64))
-    if summary < 2:
-        found.all_finite = bool(summary)
+    # the one host read
+    finite, keeps_finite, cancel, counts = _read_flags(all_finite(found), cancelling, checked)
+    if not cancel and not any(counts):
+        found.all_finite = finite
         return found
-    # (rare: some example's positions or a tied parameter's uses cancel) which ones
-    read = flags.tolist()
-    cancel, pairs_read = read[: len(cancelling)], read[len(cancelling) :]
-    again = {owner_of[k] for k, flag in zip(order, pairs_read) if flag}
-    for name in loose:
-        if name in again:  # its fast results again, tightened
-            with torch_norms.replayed(loose[name]):
+    # (some example's positions or a tied parameter's uses cancel) tighten those, no read
+    start = 0
+    for name, pairs in loose.items():
+        layer_counts, start = counts[start : start + len(pairs)], start + len(pairs)
+        if any(layer_counts):  # its fast results again, tightened
+            with torch_norms.replayed(pairs, layer_counts):
                 layers.update(_layer_norms({name: rest[name]}, session.records, owners))
-    if any(cancel) or None in again:
-        tied = _tied_squared_norms(session, tied_loose)
-    return _leaf_norms(session, computed, layers, tied)
+    tied_again = cancel or any(counts[start:])
+    if tied_again:
+        tied = _tied_squared_norms(session, tied_loose, counts[start:], cancel)
+    found = _leaf_norms(session, computed, layers, tied)
+    # a norm not finite stays so (a loose one is finite; the others are as they were), unless
+    # the tied norms are computed again (in float64 where their uses cancel)
+    known = not tied_again and (not finite or keeps_finite)
+    found.all_finite = finite if known else None
+    return found
+
+
+def _read_flags(
+    finite: torch.Tensor, cancelling: list[torch.Tensor], checked: list[Any]
+) -> tuple[bool, bool, bool, list[int]]:
+    """The one host read of :func:`squared_norms`: ``(finite, keeps finite, cancel, counts)``.
+    ``finite``: whether every norm is finite (from the 0-d ``finite``); ``cancel``: whether
+    some tied sum's uses cancel (any of the 0-d ``cancelling``); ``counts``: for each
+    certified norm of ``checked``, in its order, how many of its examples are loose
+    (``torch_norms.loose_counts``), and ``keeps finite``: whether tightening them keeps every
+    norm finite (True where ``checked`` is empty)."""
+    pieces = [finite, *cancelling]
+    order: list[int] = []
+    if checked:
+        counts, keeps_finite, order = torch_norms.loose_counts(checked)
+        pieces += [keeps_finite, counts]
+    flags = torch.cat([p.reshape(-1).to(device=finite.device, dtype=torch.int64) for p in pieces])
+    read = flags.tolist()
+    flag_count = 1 + len(cancelling)
+    counts_read = [0] * len(checked)
+    for k, count in zip(order, read[flag_count + 1 :]):
+        counts_read[k] = count
+    keeps = not checked or bool(read[flag_count])
+    return bool(read[0]), keeps, any(read[1:flag_count]), counts_read
 
 
 def all_finite(squared: list[Any]) -> torch.Tensor:
@@ -209,17 +233,26 @@ def _per_layer(
         yield from owners.named(module_name, values)
 
 
-def _tied_squared_norms(session: CapturedPass, replay: list[Any] | None = None) -> dict[str, Any]:
+def _tied_squared_norms(
+    session: CapturedPass,
+    replay: list[Any] | None = None,
+    loose_counts: list[int] | None = None,
+    cancel: bool | None = None,
+) -> dict[str, Any]:
     """Squared norms of the parameters of the layers that share one: each layer's rule gives
     its own parameters' norms, and each shared parameter's adds its uses' norms and their cross
     terms in float64 (``torch_tied.py``). Where some example's uses nearly cancel, the rules
     run again on float64 copies of the calls. Layers whose output did not reach the loss add
     nothing. ``replay``: the fast results of :func:`_tied_deferred`'s pass, taken again
-    (``torch_norms.replayed``) instead of computed."""
+    (``torch_norms.replayed``, with their ``loose_counts`` where read) instead of computed;
+    ``cancel``: whether some uses cancel, where read (None: read here)."""
     calls = _sharing_calls(session)
-    with torch_norms.replayed(replay) if replay is not None else contextlib.nullcontext():
+    replaying = replay is not None
+    with torch_norms.replayed(replay, loose_counts) if replaying else contextlib.nullcontext():
         result, cancelling = _tied_pass(session, calls)
-    if cancelling and bool(torch.stack(cancelling).any()):
+    if cancel is None:
+        cancel = bool(cancelling) and bool(torch.stack(cancelling).any())
+    if cancel:
         wide = {owner: torch_tied.widened(owner_calls) for owner, owner_calls in calls.items()}
         result, _ = _tied_pass(session, wide)
     return result

@@ -31,6 +31,7 @@ The noise is drawn through the backend protocol (``standard_normal``, ``split_ke
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -141,12 +142,35 @@ def add_independent_gaussian(summed: Any, std: float, rng: Any, *, owned: bool =
     _, leaves, treedef = bk.flatten(summed)
     keys = bk.split_key(rng, len(leaves))
     seen: set[int] = set()
-    noisy = []
-    for leaf, key in zip(leaves, keys):
-        in_place = owned and id(leaf) not in seen
+    in_place = []
+    for leaf in leaves:
+        in_place.append(owned and id(leaf) not in seen)
         seen.add(id(leaf))
-        noisy.append(bk.add_scaled(leaf, bk.standard_normal(key, leaf), std, in_place))
+    noisy = []
+    for group in _groups([math.prod(bk.shape(leaf)) for leaf in leaves]):
+        # each leaf's draw in flat order, as one leaf at a time would: the same numbers
+        draws = [bk.standard_normal(keys[k], leaves[k]) for k in group]
+        noisy += bk.add_scaled([leaves[k] for k in group], draws, std, [in_place[k] for k in group])
     return bk.unflatten(treedef, noisy)
+
+
+# The noise is drawn and added a group of leaves at a time, the draws of a group held together
+# (for one foreach op a group, ``add_scaled``): at most this many numbers, or one leaf.
+GROUP_NUMBERS = 2**24
+
+
+def _groups(sizes: list[int]) -> list[list[int]]:
+    """Consecutive positions of ``sizes`` (numbers of entries), each group at most
+    :data:`GROUP_NUMBERS` in all or a single larger one."""
+    groups: list[list[int]] = []
+    total = 0
+    for k, size in enumerate(sizes):
+        if not groups or total + size > GROUP_NUMBERS:
+            groups.append([])
+            total = 0
+        groups[-1].append(k)
+        total += size
+    return groups
 
 
 def check_mechanism(func_name: str, noise: Any) -> NoiseMechanism:

@@ -389,8 +389,11 @@ class DPOptimizer:
         else:
             totals = self._noisy_totals(clipped)
             denominator = self.expected_batch_size or max(totals.count, 1.0)
-            # in place: the totals are the step's own (a model's worth of numbers per copy)
-            self._update({name: value.div_(denominator) for name, value in totals.sum.items()})
+            # in place: the totals are the step's own (a model's worth of numbers per copy);
+            # one foreach op for every parameter (on an accelerator a few kernels, not one each)
+            if totals.sum:
+                torch._foreach_div_(list(totals.sum.values()), denominator)
+            self._update(totals.sum)
             if isinstance(self.clipping, AdaptiveClipping):
                 self._move_bound(unclipped, totals.count)
         if self._size_check is not None:
@@ -456,7 +459,27 @@ class DPOptimizer:
     def _clipped(self, batch: tuple[Any, ...], user_ids: Any) -> tuple[ClippedSum, str, bool]:
         """The micro-batch's clipped sum (unscaled, non-finite examples zeroed), its strategy,
         and whether its scaled gradients overflowed (with a scaler, any non-finite example)."""
-        user_ids = self._check_user_ids(user_ids)
+        pending_users = set(self._pending_users)
+        refused = None
+        try:
+            user_ids = self._check_user_ids(user_ids)
+        except (PergradTypeError, PergradValueError) as err:
+            if self._sharded is None:
+                raise
+            # on an FSDP2 model every process must learn of it, or they would wait in the
+            # step's collectives (raised on all of them, torch/fsdp_checks.agreed_batch)
+            user_ids, refused = None, err
+        try:
+            return self._clipped_checked(batch, user_ids, refused)
+        except BaseException:
+            self._pending_users = pending_users  # (the micro-batch was not added: retry it)
+            raise
+
+    def _clipped_checked(
+        self, batch: tuple[Any, ...], user_ids: Any, refused: BaseException | None
+    ) -> tuple[ClippedSum, str, bool]:
+        """:meth:`_clipped` once the user ids are checked (``refused``: their refusal, on an
+        FSDP2 model, raised on every process)."""
         # The step overwrites every trainable parameter's .grad: the last step's go first, or
         # they would be held through this step's backward pass (a model's worth of memory).
         for param in self.model.parameters():
@@ -476,6 +499,7 @@ class DPOptimizer:
                 clipping=self.clipping,
                 user_ids=user_ids,
                 step_users=self._pending_users,
+                refused=refused,
             )
         else:
             clipped, choice, ran, losses = clipped_sum_run(

@@ -40,6 +40,13 @@ norms from their examples' records side by side (``capture/torch_users.py``), ea
 weighted by its user's clip factor; one all-gather of the step's ids first refuses a user on
 two processes (its parts would be clipped apart).
 
+**A failure on one process** (a malformed micro-batch, a loss that fails on its targets, a
+rule that refuses its records, out of memory in the norms) is raised on every process, before
+the next collective that would leave the others waiting: the checks are agreed at three points
+of the step (``fsdp_checks.py``: before the first collective, between the norm pass's forward
+and backward passes, after the norms), for one all-reduce of one number per micro-batch more
+than the step needs anyway; the model is left as it was and the next step runs normally.
+
 What this slice refuses (:func:`check_sharded_model`, with the reason): a parameter outside
 every layer with a ghost rule (no per-example gradients formed shard by shard yet), a tie
 between layers with no cross rule, a parameter left out of every ``fully_shard``, a 2-D (HSDP)
@@ -53,7 +60,6 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,10 +69,8 @@ from torch import nn
 
 from pergrad._src.api.reductions import global_norms
 from pergrad._src.backends import backend_of
-from pergrad._src.capture import torch_tied
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import capturing, layer_calls, per_example_losses
-from pergrad._src.capture.torch_plan import Ownership, ownership
 from pergrad._src.capture.torch_quantities import (
     LeafSquaredNorms,
     add_layer_sums,
@@ -79,12 +83,12 @@ from pergrad._src.capture.torch_users import UserRows, user_squared_norms
 from pergrad._src.core.module_loss import ModuleLoss
 from pergrad._src.dp.clipping import ClipWeights, clip_statistics, clip_weights
 from pergrad._src.dp.clipping_policies import ClippingPolicy
-from pergrad._src.dp.correlated import CorrelatedNoise
 from pergrad._src.dp.from_loss import ClippedRun
-from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism
-from pergrad._src.dp.users import check_user_ids, user_slots
-from pergrad._src.errors import PergradTypeError, PergradValueError, Unsupported
+from pergrad._src.dp.users import user_slots
+from pergrad._src.errors import PergradValueError, Unsupported
 from pergrad._src.strategies.protocol import StrategyChoice
+from pergrad._src.torch.fsdp_checks import SHARDED_HINT, ShardedModel, agree, agreed_batch
+from pergrad._src.torch.fsdp_checks import check_sharded_model as check_sharded_model
 
 #: the strategy name :class:`pergrad.dp.DPStep` reports for a step on an FSDP2 model
 STRATEGY = "ghost-fsdp"
@@ -97,12 +101,6 @@ _REASON_RECORDS = (
     "layer's inputs and output gradients, the clipped sum from the same records in float32, "
     "all-reduced"
 )
-_HINT = (
-    "DPOptimizer on an FSDP2 model (fully_shard) takes, in this version, models whose "
-    "trainable parameters all belong to layers with a ghost rule (Linear, Conv1d/2d, "
-    "Embedding, norm layers, ...), tied only where pergrad has a cross rule (an embedding "
-    "and a linear head, two embeddings), on a 1-D mesh"
-)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -111,159 +109,6 @@ def is_sharded(model: nn.Module) -> bool:
     if tensor_module is None:  # no DTensor exists before its module is imported (saves that)
         return False
     return any(isinstance(p, tensor_module.DTensor) for p in model.parameters())
-
-
-@dataclass(frozen=True)
-class ShardedModel:
-    """What a step on an FSDP2 model needs to know, found once at construction.
-
-    Attributes:
-      owners: which layer (with a ghost rule) reduces each trainable parameter
-        (``torch_plan.Ownership``: the hooked layers, the tied parameters); the names are
-        those of ``named_parameters``.
-      world_size: the number of processes the parameters are sharded over (FSDP averages
-        their gradients over this many).
-      trainable: the trainable parameters' full names, in ``named_parameters`` order (the
-        single-process order of the clipped sum and of its noise draws).
-      group: the process group of the parameters' mesh.
-      low_precision: a module sharded with a low-precision ``MixedPrecisionPolicy`` (its
-        name), or None: the clipped sum is then formed from the records (module docstring).
-    """
-
-    owners: Ownership
-    world_size: int
-    trainable: tuple[str, ...]
-    group: Any
-    low_precision: str | None
-
-
-def check_sharded_model(
-    func_name: str, model: nn.Module, group: Any, noise: NoiseMechanism
-) -> ShardedModel:
-    """The layers of an FSDP2 ``model`` and its mesh, after the checks that refuse (with a
-    :class:`PergradValueError` naming the problem) what a step could not compute correctly."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    if group is None:
-        raise PergradValueError(
-            f"{func_name}: the model is sharded with FSDP2 (its parameters are DTensors); pass "
-            f"distributed=True (or the process group of its mesh): the clipped sum and the "
-            f"noise are shared across the processes."
-        )
-    if not isinstance(noise, (GaussianNoise, CorrelatedNoise)):
-        raise PergradValueError(
-            f"{func_name}: noise={noise!r} on an FSDP2 model is not supported: each process "
-            f"adds the noise of its own shards, which pergrad knows how to split for its own "
-            f"mechanisms only (pergrad.dp.gaussian(), toeplitz(), blt(), optimal_blt())."
-        )
-    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    meshes = {}
-    for name, param in trainable.items():
-        if not isinstance(param, DTensor):
-            raise PergradValueError(
-                f"{func_name}: parameter {name!r} is not sharded by fully_shard (a plain "
-                f"tensor in a model whose other parameters are DTensors): FSDP would not "
-                f"reduce its gradient across processes. Call fully_shard on the root module "
-                f"too."
-            )
-        meshes[name] = param.device_mesh
-    mesh = next(iter(meshes.values()), None)
-    if mesh is not None:
-        _check_mesh(func_name, mesh, meshes, group)
-    low_precision = None
-    for module_name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            name = module_name or "<root>"
-            if _check_fsdp_settings(func_name, name, module) and low_precision is None:
-                low_precision = name
-    owners = ownership(model, trainable, _layer_rules(func_name, model, trainable))
-    world_size = 1 if mesh is None else mesh.size()
-    return ShardedModel(owners, world_size, tuple(trainable), group, low_precision)
-
-
-def _check_mesh(func_name: str, mesh: Any, meshes: dict[str, Any], group: Any) -> None:
-    if any(other != mesh for other in meshes.values()):
-        raise PergradValueError(
-            f"{func_name}: the model's parameters are sharded over different device meshes; "
-            f"{_HINT}."
-        )
-    if mesh.ndim != 1:
-        raise PergradValueError(
-            f"{func_name}: the model is sharded over a {mesh.ndim}-D device mesh (HSDP?); {_HINT}."
-        )
-    mesh_ranks = dist.get_process_group_ranks(mesh.get_group())
-    group_ranks = dist.get_process_group_ranks(group)
-    if sorted(mesh_ranks) != sorted(group_ranks):
-        raise PergradValueError(
-            f"{func_name}: the model is sharded over the processes {sorted(mesh_ranks)} (its "
-            f"device mesh), but distributed= names the group of {sorted(group_ranks)}; pass "
-            f"the mesh's process group (mesh.get_group())."
-        )
-
-
-def _check_fsdp_settings(func_name: str, name: str, module: Any) -> bool:
-    """Whether ``module`` is sharded with a low-precision ``MixedPrecisionPolicy``, after
-    refusing a custom divide factor (the weighted backward pass undoes FSDP's default
-    averaging). Read from FSDP's state (no public getter); absent attributes pass."""
-    state = module._get_fsdp_state()
-    low_precision = False
-    for param_group in getattr(state, "_fsdp_param_groups", ()):
-        policy = getattr(param_group, "mp_policy", None)
-        dtypes = (getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None))
-        low_precision |= any(d is not None and d != torch.float32 for d in dtypes)
-        if getattr(param_group, "gradient_divide_factor", None) is not None:
-            raise PergradValueError(
-                f"{func_name}: module {name!r} has a custom gradient divide factor "
-                f"(set_gradient_divide_factor); DPOptimizer sums the clipped gradients with "
-                f"FSDP's reduce-scatter and undoes its default averaging. Leave it unset."
-            )
-    return low_precision
-
-
-def _layer_rules(
-    func_name: str, model: nn.Module, trainable: dict[str, torch.Tensor]
-) -> dict[str, str]:
-    """Module name -> rule name of each layer with a ghost rule that uses a trainable
-    parameter; refuses a trainable parameter no such layer uses, and a parameter two layers
-    share without a cross rule for their pair (``capture/torch_tied.py``)."""
-    by_id = {id(p): name for name, p in trainable.items()}
-    rules: dict[str, str] = {}
-    uses_of: dict[str, list[tuple[str, str, str]]] = {}  # name -> (layer, family, attribute)
-    seen: set[int] = set()
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        rule = rule_for(module)
-        if rule is None or id(module) in seen:
-            continue
-        seen.add(id(module))
-        own = {relative: by_id[id(p)] for relative, p in layer_parameters(module) if id(p) in by_id}
-        if not own:
-            continue
-        problem = rule.problem(module)
-        if problem is not None:
-            raise PergradValueError(
-                f"{func_name}: layer {module_name!r} ({type(module).__name__}) cannot take the "
-                f"ghost path: {problem}. {_HINT}."
-            )
-        rules[module_name] = rule.name
-        for relative, full in own.items():
-            uses_of.setdefault(full, []).append((module_name, rule.name, relative))
-    for name, uses in uses_of.items():
-        pair = torch_tied.missing_cross([(family, attribute) for _, family, attribute in uses])
-        if len(uses) > 1 and pair is not None:
-            raise PergradValueError(
-                f"{func_name}: parameter {name!r} is used by layers "
-                f"{[layer for layer, _, _ in uses]} (tied weights), and pergrad has no cross "
-                f"rule for {pair}: their per-example gradients' inner products; {_HINT}."
-            )
-    orphans = [name for name in trainable if name not in uses_of]
-    if orphans:
-        raise PergradValueError(
-            f"{func_name}: the trainable parameter(s) {orphans} belong to no layer with a "
-            f"ghost rule, and per-example gradients are not formed shard by shard yet; {_HINT}. "
-            f"Freeze them (requires_grad_(False)) or replace the layer."
-        )
-    return rules
 
 
 def clipped_sum_run(
@@ -275,6 +120,7 @@ def clipped_sum_run(
     clipping: ClippingPolicy | None,
     user_ids: Any = None,
     step_users: set[int] | None = None,
+    refused: BaseException | None = None,
 ) -> ClippedRun:
     """This process's examples (or users) clipped, summed over every process into each one's
     shards.
@@ -282,12 +128,14 @@ def clipped_sum_run(
     ``batch``: the model inputs then the loss function's targets, each batched on axis 0.
     ``user_ids``: None (example level) or ``(B,)`` user ids; ``step_users``: the ids of this
     process's micro-batches of the step so far, this one's included (checked apart from every
-    other process's). Returns the :class:`~pergrad._src.dp.from_loss.ClippedRun` of
-    ``clipped_sum_run``: ``clipped.sum`` maps each trainable parameter's name to its shard (a
-    DTensor like the parameter) of the clipped sum over ALL processes' examples; ``norms``,
-    ``clip_fraction``, ``count`` and ``nonfinite`` are this process's examples' (users').
-    Collective: every process of the mesh calls it, each with its own examples (an empty batch
-    included)."""
+    other process's); ``refused``: the caller's refusal of this micro-batch (raised on every
+    process, ``fsdp_checks.agreed_batch``). Returns the
+    :class:`~pergrad._src.dp.from_loss.ClippedRun` of ``clipped_sum_run``: ``clipped.sum``
+    maps each trainable parameter's name to its shard (a DTensor like the parameter) of the
+    clipped sum over ALL processes' examples; ``norms``, ``clip_fraction``, ``count`` and
+    ``nonfinite`` are this process's examples' (users'). Collective: every process of the mesh
+    calls it, each with its own examples (an empty batch included); an error on one process
+    before the weighted pass is raised on all (``fsdp_checks.py``)."""
     func_name = "DPOptimizer"
     autocast = _autocast_enabled()
     if autocast:
@@ -295,27 +143,29 @@ def clipped_sum_run(
         # reuse its cached low-precision copies of the last step's values within one region
         torch.clear_autocast_cache()
     inputs, targets = list(batch[: loss.num_inputs]), list(batch[loss.num_inputs :])
-    batch_size = _batch_size(func_name, inputs)
-    user_ids = _checked_user_ids(func_name, sharded, user_ids, step_users, batch_size)
+    # (each check agreed across the processes: fsdp_checks.py's docstring)
+    batch_size, user_ids = agreed_batch(
+        func_name, sharded, inputs, targets, user_ids, step_users, refused
+    )
     # Low memory: each layer's norms in the backward pass as its output gradients arrive,
     # which are then dropped (the clipped sum comes from a second, weighted backward pass).
     # Not where the sum must come from the records (low precision) or the norms need them
     # all (users' norms).
     low_memory = user_ids is None and sharded.low_precision is None and not autocast
-    losses, session, computed = _norm_pass(sharded, loss, inputs, targets, batch_size, low_memory)
-    from_records = _any_process(
-        sharded.group,
-        sharded.low_precision is not None or autocast or _low_precision(session),
-        losses.device,
+    low_precision = sharded.low_precision is not None or autocast
+    losses, session, computed, from_records = _norm_pass(
+        sharded, loss, inputs, targets, batch_size, low_memory, low_precision
     )
-    if from_records and low_memory:  # a cast no setting showed: the pass again, records kept
-        del session
-        losses, session, computed = _norm_pass(sharded, loss, inputs, targets, batch_size, False)
-    bk = backend_of(losses, func_name, "losses")
-    try:
+    problem: Exception | None = None
+    try:  # (a layer whose norms failed in the backward pass fails here again)
         squared = _squared_norms(session, user_ids, computed)
     except Unsupported as err:  # no fallback here: the chunked strategy cannot take DTensors
-        raise PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {_HINT}.") from err
+        problem = PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {SHARDED_HINT}.")
+        problem.__cause__ = err
+    except Exception as err:  # (e.g. out of memory on this process alone)
+        problem = err
+    agree(func_name, sharded.group, problem, losses.device)  # (before the weighted pass)
+    bk = backend_of(losses, func_name, "losses")
     uppers = [e if b is None else e + b for e, b in zip(squared, squared.bounds)]
     norms = global_norms(list(squared))
     weights, per_example = _clip_weights(bk, global_norms(uppers), max_norm, clipping, user_ids)
@@ -337,21 +187,6 @@ def _autocast_enabled() -> bool:
     )
 
 
-def _low_precision(session: CapturedPass) -> bool:
-    """Whether some layer ran in a precision below float32 (its output gradients), however
-    it came to (a policy or a cast this module's checks did not see)."""
-    grads = [r.output_grad for rs in session.records.values() for r in rs]
-    return any(g is not None and g.is_floating_point() and g.element_size() < 4 for g in grads)
-
-
-def _any_process(group: Any, flag: bool, device: Any) -> bool:
-    """Whether ``flag`` holds on some process of ``group`` (one all-reduce of one number on
-    ``device``, the losses'), so that every process takes the same collectives."""
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
 def _clip_weights(
     bk: Any, upper_norms: torch.Tensor, max_norm: float, clipping: Any, user_ids: Any
 ) -> tuple[ClipWeights, torch.Tensor]:
@@ -363,65 +198,6 @@ def _clip_weights(
     groups = user_slots(bk, user_ids, None, upper_norms.new_ones(()))
     weights = clip_weights(bk, [upper_norms], [max_norm], groups.real, clipping)
     return weights, (weights.weights[0][:, None] * groups.slots).sum(0)
-
-
-def _checked_user_ids(
-    func_name: str, sharded: ShardedModel, user_ids: Any, step_users: Any, batch_size: int
-) -> Any:
-    """``user_ids`` checked (``dp/users.check_user_ids``, on the parameters' device), None at
-    example level. Refuses, on every process alike (one all-gather, before the step's other
-    collectives), a user whose examples are on two processes in one step (each part would be
-    clipped to ``max_norm`` on its own), a step with ``user_ids`` on some processes and
-    without on others, and ``user_ids`` that some process refused."""
-    problem = mine = None
-    if user_ids is not None:
-        like = sharded.owners.model.get_parameter(sharded.trainable[0]).to_local()
-        try:
-            bk = backend_of(like, func_name, "user_ids")
-            user_ids = check_user_ids(func_name, bk, user_ids, batch_size, like)
-            mine = sorted(set(user_ids.tolist()) if step_users is None else step_users)
-        except (PergradTypeError, PergradValueError) as err:
-            problem, mine = err, str(err)
-    gathered: list[Any] = [None] * dist.get_world_size(sharded.group)
-    dist.all_gather_object(gathered, mine, sharded.group)
-    if problem is not None:
-        raise problem
-    refused = [rank for rank, ids in enumerate(gathered) if isinstance(ids, str)]
-    if refused:
-        raise PergradValueError(
-            f"{func_name}: user_ids: process {refused[0]} refused its step: {gathered[refused[0]]}"
-        )
-    if len({ids is None for ids in gathered}) > 1:
-        without = [rank for rank, ids in enumerate(gathered) if ids is None]
-        raise PergradValueError(
-            f"{func_name}: user_ids: the processes {without} stepped without user_ids and the "
-            f"others with them; on an FSDP2 model every process passes user_ids= at every "
-            f"step of a user-level run (an empty tensor with an empty batch)."
-        )
-    processes_of: dict[int, list[int]] = {}
-    for rank, ids in enumerate(gathered):
-        for user in ids or ():
-            processes_of.setdefault(user, []).append(rank)
-    shared = sorted(user for user, ranks in processes_of.items() if len(ranks) > 1)
-    if shared:
-        ranks = sorted({rank for user in shared for rank in processes_of[user]})
-        raise PergradValueError(
-            f"{func_name}: user_ids: user(s) {shared[:5]} are in the batches of processes "
-            f"{ranks} in this step; each user's examples must all be on one process (each "
-            f"part would be clipped to max_norm on its own). Send each sampled user to one "
-            f"process, e.g. by user_id % world_size."
-        )
-    return user_ids
-
-
-def _batch_size(func_name: str, inputs: list[Any]) -> int:
-    tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
-    if not tensors:
-        raise PergradValueError(
-            f"{func_name}: on an FSDP2 model, the model inputs must hold a tensor batched on "
-            f"axis 0; got {[type(x).__name__ for x in inputs]}."
-        )
-    return tensors[0].shape[0]
 
 
 def _targets_dims(targets: list[Any], batch_size: int) -> list[Any]:
@@ -442,7 +218,11 @@ def _losses(
 ) -> torch.Tensor:
     """``(B,)`` per-example losses through the model's own forward pass (FSDP's hooks gather
     each layer's parameters as it runs)."""
-    output = loss.forward(None, inputs)
+    return _row_losses(loss, loss.forward(None, inputs), targets, batch_size)
+
+
+def _row_losses(loss: ModuleLoss, output: Any, targets: list[Any], batch_size: int) -> torch.Tensor:
+    """``(B,)`` per-example losses of the model's ``output`` (no collective)."""
     # per_example_losses reads only the caller's name from the spec
     spec: Any = types.SimpleNamespace(func_name="DPOptimizer")
     dims = _targets_dims(targets, batch_size)
@@ -456,22 +236,45 @@ def _norm_pass(
     targets: list[Any],
     batch_size: int,
     low_memory: bool,
-) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]]]:
+    low_precision: bool,
+) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]], bool]:
     """The per-example losses, every layer's records, output gradients filled, as a
     :class:`~pergrad._src.capture.torch_session.CapturedPass` whose parameters are stand-ins
-    (the reductions read their names, shapes and dtypes only; the rules read the records), and
-    the norms computed in the pass (``low_memory``: each layer that shares no parameter, as
-    soon as its output gradients are in, which are then dropped; a layer whose gradients are
-    in a precision below float32 keeps them, for the caller to see)."""
+    (the reductions read their names, shapes and dtypes only; the rules read the records), the
+    norms computed in the pass, and whether the clipped sum comes from the records
+    (``low_precision`` on some process, or some layer's output below float32 on one).
+
+    Between the forward and the backward pass, which both run FSDP's collectives, the
+    processes agree (``fsdp_checks.agree``, one all-reduce) on whether the per-example losses
+    failed on one of them and on where the sum comes from. ``low_memory`` (unless from the
+    records): each layer's norms as soon as its output gradients are in (each layer that
+    shares no parameter), which are then dropped; a rule that fails there, in the backward
+    pass, is met again by the caller after the pass."""
     owners = sharded.owners
     computed: dict[str, dict[str, Any]] = {}
+    device = _device(sharded)
     with torch.enable_grad():
         with capturing(owners.modules, batch_size) as records:
-            losses = _losses(loss, inputs, targets, batch_size)
-        if low_memory:
+            output = loss.forward(None, inputs)
+            try:
+                losses = _row_losses(loss, output, targets, batch_size)
+                problem = None
+            except Exception as err:  # the user's loss_fn on this process's targets
+                losses, problem = None, err
+            del output
+        outputs = [r.output for rs in records.values() for r in rs if r.hooked]
+        low = any(x.is_floating_point() and x.element_size() < 4 for x in outputs)
+        try:
+            (from_records,) = agree(
+                "DPOptimizer", sharded.group, problem, device, low_precision or low
+            )
+        except Exception:
+            _reshard(owners.model)  # (the root keeps its gathered weights after a forward pass)
+            raise
+        assert losses is not None
+        if low_memory and not from_records:
             unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
             when_complete(unshared, records, functools.partial(_norms_in_hook, computed))
-        outputs = [r.output for rs in records.values() for r in rs if r.hooked]
         for layer_records in records.values():
             for record in layer_records:
                 record.light_input = None
@@ -500,14 +303,30 @@ def _norm_pass(
         rng=None,
         loss_values=losses.detach(),
     )
-    return losses, session, computed
+    return losses, session, computed, from_records
+
+
+def _device(sharded: ShardedModel) -> Any:
+    """The device of the parameters' shards (that of the process group's collectives)."""
+    return sharded.owners.model.get_parameter(sharded.trainable[0]).device
+
+
+def _reshard(model: nn.Module) -> None:
+    """Every FSDP module of ``model`` back to its shards (after a forward pass with no
+    backward pass: the model's parameters are its DTensors again)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _norms_in_hook(
     computed: dict[str, dict[str, Any]], name: str, layer: nn.Module, records: list[Any]
 ) -> bool:
     """``when_complete``'s callback: the layer's norms into ``computed`` (True: its output
-    gradients may go), unless one is below float32 (False: kept)."""
+    gradients may go), unless one is below float32 (False: kept). (An error raised here is
+    met again after the pass, by ``squared_norms``, where the processes agree on it.)"""
     grads = [r.output_grad for r in records if r.output_grad is not None]
     if any(g.is_floating_point() and g.element_size() < 4 for g in grads):
         return False
