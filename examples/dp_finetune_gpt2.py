@@ -15,8 +15,10 @@ for the same number of steps with AdamW:
   the whole run, an ``Accountant`` counting the steps.
 
 It prints epsilon and validation perplexity side by side (a byte-level model that learned
-nothing has perplexity 256) and which strategy pergrad took: the tied embedding / LM head runs
-on the ghost path, with no per-example gradient ever formed.
+nothing has perplexity 256) and which strategy pergrad's ``"auto"`` took: for a model this small
+its cost model finds materialised per-example gradients cheaper than the ghost norms
+(``materialize``); a larger model takes the ghost path, where no per-example gradient is formed.
+Either way the tied embedding / LM head never sends it to a slower fallback.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,7 +140,9 @@ def test_dp_finetune_gpt2_quick_run_learns_within_its_epsilon():
     epsilon, private = float(rows["DP-SGD (pergrad)"][0]), float(rows["DP-SGD (pergrad)"][1])
     assert epsilon <= 8.0 + 1e-6
     assert float(rows["non-private"][1]) < private < untrained
-    assert "pergrad strategy: ghost" in result.stdout  # the tied embedding / LM head stays fast
+    # the tied embedding / LM head never forces a slow fallback: auto takes the ghost norms or,
+    # for a model this small, the materialised per-example gradients its cost model prefers
+    assert re.search(r"pergrad strategy: (ghost|materialize)$", result.stdout, re.M)
 
 
 @pytest.mark.slow(
