@@ -296,8 +296,9 @@ def test_hooks_refuse_a_parameter_used_outside_its_layer():
     model = Sneaky()
     X, Y = data(3)
     loss = pergrad.module_loss(model, F.cross_entropy)
-    with pytest.raises(ValueError, match=r"'fc.weight'.*do not add up"):
-        run(loss, X, Y, strategy="hooks")
+    for _ in range(2):  # a layout refused on its first call is checked again, not trusted
+        with pytest.raises(ValueError, match=r"'fc.weight'.*do not add up"):
+            run(loss, X, Y, strategy="hooks")
 
 
 def test_auto_takes_the_loop_when_hooks_cannot_cover_a_layer():

@@ -428,7 +428,7 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
                 # |a_t||a_s| |D_ts| and |d_t||d_s| |A_ts|
                 torch.mul(norms[:, :, :, rows, None], norms[:, :, :, None, cols], out=parts[2:])
                 parts[2:].mul_(grams.abs_())
-            found = parts.sum(-1).sum(-1).sum(-1)
+            found = _nested_sum(parts)
             sums = found if sums is None else sums.add_(found)
     assert sums is not None
     depth = 2 * block + groups + blocks * blocks
@@ -446,8 +446,8 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
 
 
 def _nested_sum(x: torch.Tensor) -> torch.Tensor:
-    """``(B, G, R, C) -> (B,)``, over columns, then rows, then groups: every term passes through
-    at most ``C + R + G`` additions, whatever order each reduction takes."""
+    """``(..., B, G, R, C) -> (..., B)``, over columns, then rows, then groups: every term passes
+    through at most ``C + R + G`` additions, whatever order each reduction takes."""
     return x.sum(-1).sum(-1).sum(-1)
 
 

@@ -118,13 +118,13 @@ class Replay:
     def init_state(self) -> list[Any]:
         return jax.tree_util.tree_leaves(self._init_state())
 
-    def _batch(self, step: int) -> tuple[tuple[Any, ...], int]:
+    def _batch(self, step: int) -> tuple[Any, ...]:
         """The examples of ``batches[step]`` padded with example 0 to the largest batch (one
-        compilation for all steps), and the number of real ones."""
+        compilation for all steps)."""
         indices = self.run.batches[step]
         padded = np.zeros(self.width, dtype=np.int64)
         padded[: len(indices)] = indices
-        return _take(self.data, padded), len(indices)
+        return _take(self.data, padded)
 
     def _scale(self, values: np.ndarray, dtype: Any) -> Any:
         # numpy, converted by the jitted step itself (an eager jnp.asarray costs a dispatch)
@@ -136,7 +136,7 @@ class Replay:
         total = len(weights) if not self.kept else float(np.sum(weights))
         if len(weights) == 0 or total == 0:
             return params, leaves
-        batch, _ = self._batch(step)
+        batch = self._batch(step)
         scale = self._scale(weights / total, params.dtype)
         return self.program.step(self.run.hyper(step), params, leaves, batch, scale)
 
