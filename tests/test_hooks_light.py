@@ -102,3 +102,21 @@ def test_an_output_changed_in_place_takes_the_full_backward_pass(monkeypatch):
         got = grads(loss.params(), x, y)
         assert_close(got, torch_module_loop_grads(model, F.cross_entropy, [x], [y]))
     assert seen == [None, None, None]
+
+
+def test_an_empty_batch_after_a_checked_layout_leaves_the_model_as_it_was():
+    torch.manual_seed(2)
+    model = Tied().double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = pergrad.module_loss(model, lm_loss)
+    grads = pergrad.per_example_grads(loss, strategy="hooks")
+    tokens = torch.randint(0, 11, (B, 7), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):  # the layout checked, then a light call
+        grads(loss.params(), tokens, tokens)
+    empty = grads(loss.params(), tokens[:0], tokens[:0])
+    assert {k: tuple(v.shape) for k, v in empty.items()} == {
+        k: (0, *v.shape) for k, v in loss.params().items()
+    }
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks for m in model.modules())
