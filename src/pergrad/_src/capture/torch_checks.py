@@ -21,14 +21,19 @@ only a first filter; these checks decide:
   statistics, a branch on a batch-wide value), a model output whose axis 0 is not the batch, and
   a capture that changed what the model computes (the broadcast of shared position ids).
 
-Both run on the first call of each :func:`layout_key` (parameter names and the shapes and dtypes
-of every argument, batch size included: a coincidence like ``T == B`` depends on it), so a
-training loop pays them once per batch shape: one more backward pass and a few forward passes of
-one example.
+Both run on the first call of each layout: :func:`layout_key` (parameter names and the shapes
+and dtypes of every argument) with the shapes of every record the pass captured
+(:func:`records_signature`), each dimension equal to the batch size marked as the batch. One
+check then covers every batch size of the same layout (Poisson sampling draws a new one each
+step), while a coincidence like ``T == B`` (a time-first layer's axis 0 taken for the batch)
+changes the marks and is checked again. A training loop pays them once per layout: one more
+backward pass and a few forward passes of one example. A single example's checks cover single
+examples only (its rows cannot be told apart).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -106,25 +111,82 @@ def checked_dtype(x: torch.Tensor) -> torch.dtype:
     )
 
 
-def layout_key(params: Iterable[str], arguments: Iterable[Any]) -> tuple[Any, ...]:
-    """What the checks are valid for: the parameter names and each tensor's shape and dtype."""
+def layout_key(params: Iterable[str], arguments: Iterable[Any], batch_size: int) -> tuple[Any, ...]:
+    """What the checks are valid for, before the model runs: the parameter names and each
+    tensor argument's shape (each dimension equal to ``batch_size`` marked, :func:`marked`)
+    and dtype."""
     shapes = tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+        (marked(x.shape, batch_size), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
         for x in arguments
     )
     return (frozenset(params), shapes)
 
 
-def is_checked(loss: Any, schedule: str, key: tuple[Any, ...]) -> bool:
-    """Whether ``schedule`` (``"ghost"``, ``"hooks"``) has checked layout ``key`` of ``loss``
-    (a :func:`pergrad.module_loss`): the one place where checked layouts are remembered, on
-    the loss, so every wrapper of the same model shares them."""
-    return (schedule, key) in loss.checked_layouts
+#: a dimension equal to the batch size, in a layout's shapes
+BATCH = "B"
 
 
-def mark_checked(loss: Any, schedule: str, key: tuple[Any, ...]) -> None:
-    """Remember that ``schedule``'s first-call checks of layout ``key`` passed."""
-    loss.checked_layouts.add((schedule, key))
+def marked(shape: Iterable[int], batch_size: int) -> tuple[Any, ...]:
+    """``shape`` with each dimension equal to ``batch_size`` replaced by :data:`BATCH`."""
+    return tuple(BATCH if d == batch_size else d for d in shape)
+
+
+# record fields that do not describe the layout: gradients, and version counters (a parameter
+# recorded as an input is bumped by every optimizer step)
+_UNSHAPED = frozenset({"output_grad", "watch", "input_versions", "output_version"})
+
+
+def records_signature(records: dict[str, list[Any]], batch_size: int) -> tuple[Any, ...]:
+    """The shapes (batch size marked), dtypes and flags of everything a pass recorded, layer by
+    layer and call by call: two passes with the same signature hooked the same layers the
+    same number of times on inputs laid out the same way, whatever their batch sizes. A
+    single example's signature is its own (its rows are not checked: every row is its own, so
+    its checks cover no other batch size)."""
+    return (batch_size == 1,) + tuple(
+        (name, tuple(_signature(r, batch_size) for r in calls))
+        for name, calls in sorted(records.items())
+    )
+
+
+def _signature(x: Any, batch_size: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (marked(x.shape, batch_size), x.dtype, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return tuple(_signature(v, batch_size) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v, batch_size)) for k, v in x.items())
+    if dataclasses.is_dataclass(x):
+        return (
+            type(x).__name__,
+            tuple(
+                _signature(getattr(x, f.name), batch_size)
+                for f in dataclasses.fields(x)
+                if f.name not in _UNSHAPED
+            ),
+        )
+    return x if x is None or isinstance(x, (bool, int, float, str)) else type(x).__name__
+
+
+def is_checked(loss: Any, schedule: str, key: tuple[Any, ...], signature: tuple[Any, ...]) -> bool:
+    """Whether ``schedule`` (``"ghost"``, ``"hooks"``) has checked layout ``key`` with records
+    of ``signature`` (:func:`records_signature`) of ``loss`` (a :func:`pergrad.module_loss`):
+    the one place where checked layouts are remembered, on the loss, so every wrapper of the
+    same model shares them."""
+    return (schedule, key, signature) in loss.checked_layouts
+
+
+def has_checked(loss: Any, schedule: str, key: tuple[Any, ...]) -> bool:
+    """Whether ``schedule`` has checked layout ``key`` with any records (the hooks strategy
+    then runs light and confirms the records' signature after the forward pass)."""
+    return any(entry[:2] == (schedule, key) for entry in loss.checked_layouts)
+
+
+def mark_checked(
+    loss: Any, schedule: str, key: tuple[Any, ...], signature: tuple[Any, ...]
+) -> None:
+    """Remember that ``schedule``'s first-call checks of layout ``key`` with records of
+    ``signature`` passed."""
+    loss.checked_layouts.add((schedule, key, signature))
 
 
 def row_weights(batch_size: int, like: torch.Tensor) -> torch.Tensor:

@@ -59,8 +59,11 @@ def capture(
     a first run's row check runs the batch once before, weighted
     (``torch_verify.weighted_run``), so that no backward pass retains its graph."""
     session = forward(spec, call, loss, layers)
-    key = torch_checks.layout_key(session.params, [x for xs in call.leaves[1:] for x in xs])
-    checked = torch_checks.is_checked(loss, "ghost", key)
+    key = torch_checks.layout_key(
+        session.params, [x for xs in call.leaves[1:] for x in xs], call.batch_size
+    )
+    signature = torch_checks.records_signature(session.captured(), call.batch_size)
+    checked = torch_checks.is_checked(loss, "ghost", key, signature)
     weighted = None
     if not (checked or retain) and call.batch_size > 1:  # (one example: every row is its own)
         weighted = torch_verify.weighted_run(session)
@@ -85,13 +88,13 @@ def capture(
     measure = norms or not checked
     if retain:
         _reduce_before_layout_check(spec, call, session, computed, measure, checking)
-        session.pending_key = key if checking else None
+        session.pending_key = (key, signature) if checking else None
     else:
         _reduce_records(session, computed, measure)
         if checking:
             assert batch is not None
             torch_verify.check_batch_gradient(session, batch.squared_norms, batch.kept)
-            torch_checks.mark_checked(loss, "ghost", key)
+            torch_checks.mark_checked(loss, "ghost", key, signature)
     session.release(keep_graph=retain)
     return session
 
@@ -223,7 +226,7 @@ def second_pass(
     torch_quantities.add_formed_sums(session, groups, sums)
     if session.pending_key is not None:
         torch_verify.check_batch_gradients(session, batch_grads)
-        torch_checks.mark_checked(loss, "ghost", session.pending_key)
+        torch_checks.mark_checked(loss, "ghost", *session.pending_key)
     return torch_quantities.zeros_where_unreached(sums, session.diff)
 
 

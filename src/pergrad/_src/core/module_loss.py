@@ -29,9 +29,10 @@ class ModuleLoss:
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
-        # (schedule, layout) pairs whose first-call checks passed (capture/torch_checks.py:
-        # is_checked / mark_checked; the ghost and hooks schedules): later runs skip them.
-        self.checked_layouts: set[tuple[str, Any]] = set()
+        # (schedule, layout, records' signature) whose first-call checks passed
+        # (capture/torch_checks.py: is_checked / mark_checked; the ghost and hooks schedules):
+        # later runs skip them, at any batch size.
+        self.checked_layouts: set[tuple[str, Any, Any]] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters (``requires_grad``), detached: they share storage with the

@@ -154,15 +154,18 @@ def value_and_grads(
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
     refuse_batch_mixing_layers(loss.model, spec.func_name)
     key = torch_checks.layout_key(
-        hooks_plan.owners, [x for leaves in call.leaves[1:] for x in leaves]
+        hooks_plan.owners, [x for leaves in call.leaves[1:] for x in leaves], batch_size
     )
-    verify = not torch_checks.is_checked(loss, "hooks", key)
-    chunk = spec.chunk_size or batch_size
-    results = []
-    for start in range(0, batch_size, chunk):
-        rows = tuple(v[start : start + chunk] for v in batched_values)
-        size = min(chunk, batch_size - start)
-        results.append(_one_pass(spec, call, hooks_plan, diff_values, rows, size, verify))
+    verify = not torch_checks.has_checked(loss, "hooks", key)
+    try:
+        results, seen = _passes(
+            spec, call, hooks_plan, diff_values, batched_values, batch_size, key, verify
+        )
+    except _Unchecked:  # a layout checked at other record shapes (T == B): check this one
+        verify = True
+        results, seen = _passes(
+            spec, call, hooks_plan, diff_values, batched_values, batch_size, key, verify
+        )
     if len(results) == 1:  # one chunk: its tensors as they are (a cat would copy B x P numbers)
         losses, grads = results[0][0], list(results[0][1])
     else:
@@ -171,8 +174,44 @@ def value_and_grads(
     if verify and _check_examples_independent(
         spec, call, hooks_plan, single, diff_values, batched_values, losses, grads
     ):
-        torch_checks.mark_checked(loss, "hooks", key)
+        for signature in seen:
+            torch_checks.mark_checked(loss, "hooks", key, signature)
     return losses, grads
+
+
+class _Unchecked(Exception):
+    """A light pass met records of a shape its layout's checks did not see."""
+
+
+def _passes(
+    spec: Spec,
+    call: Call,
+    hooks_plan: HooksPlan,
+    diff_values: tuple[Any, ...],
+    batched_values: tuple[Any, ...],
+    batch_size: int,
+    key: tuple[Any, ...],
+    verify: bool,
+) -> tuple[list[Any], set[Any]]:
+    """Each chunk's ``(losses, grads)``, and the signatures of their records
+    (``torch_checks.records_signature``). Unless ``verify``, raises :class:`_Unchecked` when a
+    chunk's records have a signature the checks of layout ``key`` did not pass."""
+    loss: ModuleLoss = spec.fn  # type: ignore[assignment]
+    seen: set[Any] = set()
+
+    def observe(records: dict[str, list[Any]], size: int) -> None:
+        signature = torch_checks.records_signature(records, size)
+        if not verify and not torch_checks.is_checked(loss, "hooks", key, signature):
+            raise _Unchecked
+        seen.add(signature)
+
+    chunk = spec.chunk_size or batch_size
+    results = []
+    for start in range(0, batch_size, chunk):
+        rows = tuple(v[start : start + chunk] for v in batched_values)
+        size = min(chunk, batch_size - start)
+        results.append(_one_pass(spec, call, hooks_plan, diff_values, rows, size, verify, observe))
+    return results, seen
 
 
 def _check_examples_independent(
@@ -228,9 +267,11 @@ def _one_pass(
     batched_values: tuple[Any, ...],
     batch_size: int,
     verify: bool,
+    observe: Callable[[dict[str, list[Any]], int], None] | None = None,
 ) -> tuple[Any, list[Any]]:
     """One forward and backward pass of the batch; with ``verify``, the layout's checks of
-    ``torch_checks.check_rows`` too."""
+    ``torch_checks.check_rows`` too. ``observe(records, batch_size)``: called after the
+    forward pass, before any backward pass (it may raise)."""
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
     model = loss.model
     modules = {name: model.get_submodule(name) for name in hooks_plan.modules}
@@ -241,13 +282,33 @@ def _one_pass(
     rng = call.backend.rng_state()
     try:
         losses, records, batch_grads = _forward_backward(
-            spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
+            spec,
+            loss,
+            params,
+            diff,
+            modules,
+            inputs,
+            targets,
+            target_dims,
+            batch_size,
+            verify,
+            observe,
         )
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
         losses, records, batch_grads = _forward_backward_own(
-            spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size, verify
+            spec,
+            loss,
+            params,
+            diff,
+            modules,
+            inputs,
+            targets,
+            target_dims,
+            batch_size,
+            verify,
+            observe,
         )
     if spec.randomness in (None, "error") and call.backend.rng_state_changed(rng):
         raise PergradValueError(
@@ -284,6 +345,7 @@ def _batched_pass(
     batch_size: int,
     backward: Callable[..., list[Any] | None],
     verify: bool,
+    observe: Callable[[dict[str, list[Any]], int], None] | None,
 ) -> tuple[Any, Any, list[Any] | None]:
     """Forward the batch with the layers hooked, then ``backward(sum of losses, retain,
     records)`` -> batch gradients (or None: only the layers' outputs were differentiated);
@@ -294,6 +356,8 @@ def _batched_pass(
     with torch.enable_grad(), capturing(modules, batch_size) as records:
         output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
+        if observe is not None:
+            observe(records, batch_size)
         batch_grads = backward(losses.sum(), row_checks, records)
         if row_checks:
             torch_checks.check_rows(
@@ -315,6 +379,7 @@ def _forward_backward(
     target_dims: list[Any],
     batch_size: int,
     verify: bool,
+    observe: Callable[[dict[str, list[Any]], int], None] | None,
 ) -> tuple[Any, Any, list[Any]]:
     """The batch through ``functional_call`` with fresh leaves: nothing of the model is touched.
     Unless ``verify``, only the hooked layers' outputs are differentiated (:func:`_outputs`),
@@ -328,7 +393,17 @@ def _forward_backward(
         return list(torch.autograd.grad(total, diff, allow_unused=True, retain_graph=retain))
 
     return _batched_pass(
-        spec, loss, params, modules, inputs, targets, target_dims, batch_size, backward, verify
+        spec,
+        loss,
+        params,
+        modules,
+        inputs,
+        targets,
+        target_dims,
+        batch_size,
+        backward,
+        verify,
+        observe,
     )
 
 
@@ -343,6 +418,7 @@ def _forward_backward_own(
     target_dims: list[Any],
     batch_size: int,
     verify: bool,
+    observe: Callable[[dict[str, list[Any]], int], None] | None,
 ) -> tuple[Any, Any, list[Any]]:
     """The batch through the model's own parameters and ``.backward()`` (reentrant
     checkpointing); every ``.grad`` is restored afterwards. Batch gradients in ``diff`` order."""
@@ -371,7 +447,17 @@ def _forward_backward_own(
             return grads
 
         return _batched_pass(
-            spec, loss, None, modules, inputs, targets, target_dims, batch_size, backward, verify
+            spec,
+            loss,
+            None,
+            modules,
+            inputs,
+            targets,
+            target_dims,
+            batch_size,
+            backward,
+            verify,
+            observe,
         )
     finally:
         for p, grad in zip(touched, saved):
