@@ -18,8 +18,10 @@ paid those checks again. Side by side in one run, on the Hugging Face GPT-2 and 
 Each method steps on its own copy of the model with the learning rate 0 (the models stay
 equal). Time: median over the steps of interleaved rounds (each round runs every method once
 on the same batch). FLOP column: FLOPs per example of a step (``FlopCounterMode``,
-over the first three Poisson sizes, the warm-up at the expected size done), against the
-non-private step's; it does not depend on the load.
+over three batch sizes no step drew, after the timed steps), against the non-private step's;
+it does not depend on the load. The last column counts the timed steps that ran the capture's
+first-call checks (a new layout: with sequence 32, a batch of 32 marks the sequence axis as
+the batch too, so 32 and the other sizes are two layouts).
 """
 
 from __future__ import annotations
@@ -117,18 +119,24 @@ def run_model(kind: str, steps: int, quick: bool, seed: int) -> list[dict]:
         warnings.simplefilter("ignore")
         for call in methods.values():  # warm-up at the expected size: its layout checked
             call(expected)
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        checks = dict.fromkeys(methods, 0)
+        names = list(methods)
+        with _counting_checks() as counted:
+            for r, size in enumerate(sizes):
+                order = names[r % len(names) :] + names[: r % len(names)]
+                for name in order:
+                    before = counted[0]
+                    start = _now()
+                    methods[name](size)
+                    times[name].append(_now() - start)
+                    checks[name] += counted[0] > before
+        # three sizes no step drew (before the fix, each was a new layout)
+        unseen = [n for n in range(expected + 1, 4 * expected) if n not in sizes][:3]
         flops = {
-            name: _flops_per_example(call, sizes[: min(3, steps)], fixed=expected if i == 1 else 0)
+            name: _flops_per_example(call, unseen, fixed=expected if i == 1 else 0)
             for i, (name, call) in enumerate(methods.items())
         }
-        times: dict[str, list[float]] = {name: [] for name in methods}
-        names = list(methods)
-        for r, size in enumerate(sizes):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                start = _now()
-                methods[name](size)
-                times[name].append(_now() - start)
     fixed = statistics.median(times["DP fixed size"])
     rows = []
     for name in METHODS:
@@ -141,10 +149,29 @@ def run_model(kind: str, steps: int, quick: bool, seed: int) -> list[dict]:
                 "vs fixed": ms / (1e3 * fixed),
                 "vs non-private": ms / (1e3 * statistics.median(times["non-private"])),
                 "flops": flops[name] / flops["non-private"],
+                "checks": checks[name],
+                "steps": len(sizes),
             }
         )
     rows[0]["sizes"] = sizes
     return rows
+
+
+@contextlib.contextmanager
+def _counting_checks() -> Any:
+    """``[n]``: how many times the capture's first-call checks ran (examples alone)."""
+    counted = [0]
+    original = torch_checks.check_losses_alone
+
+    def counting(*args: Any) -> Any:
+        counted[0] += 1
+        return original(*args)
+
+    torch_checks.check_losses_alone = counting
+    try:
+        yield counted
+    finally:
+        torch_checks.check_losses_alone = original
 
 
 def _now() -> float:
@@ -167,11 +194,19 @@ def _flops_per_example(call: Any, sizes: list[int], fixed: int) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    columns = ["model", "method", "ms / step", "/ DP fixed size", "/ non-private", "FLOP per example / non-private"]
+    columns = [
+        "model",
+        "method",
+        "ms / step",
+        "/ DP fixed size",
+        "/ non-private",
+        "FLOP per example / non-private",
+        "steps that ran the checks",
+    ]
     cells = [
         [r["model"], r["method"], fmt(r["ms"], ".1f")]
         + [fmt(r["vs fixed"], ".2f", "x"), fmt(r["vs non-private"], ".2f", "x")]
-        + [fmt(r["flops"], ".2f", "x")]
+        + [fmt(r["flops"], ".2f", "x"), f"{r['checks']} of {r['steps']}"]
         for r in rows
     ]
     return markdown_table(columns, cells)

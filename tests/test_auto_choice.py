@@ -238,6 +238,40 @@ def test_route_costs_compare_within_the_memory_budget():
     assert too_big.ghost > too_big.materialize and not too_big.materialize_is_cheaper()
 
 
+def test_route_costs_weigh_memory_past_the_free_budget():
+    """Materialising faster, but holding more than the ghost norms and past
+    ``FREE_FORMED_NUMBERS``: the ghost norms, by memory, and the reason says so; within either
+    bound, materialising."""
+    layer = LayerWork("formed", 4, (64, 16), 1, 1040)  # holds 4 x 16 per example
+    # B x P past the free budget: 2 B P against B x 64 held
+    batch = cost.FREE_FORMED_NUMBERS // 1040 + 1
+    past = cost.route_costs(batch, 1040, [layer])
+    assert past.held == batch * 4 * 16
+    assert past.materialize < past.ghost and not past.materialize_is_cheaper()
+    assert "ghost by memory" in past.describe()
+    # a layer holding more than materialising would: materialising
+    wide = LayerWork("formed", 196, (64, 16), 1, 1040)  # 196 x 16 > 2 x 1040 per example
+    assert cost.route_costs(batch, 1040, [wide]).materialize_is_cheaper()
+    # under the free budget, whatever the ghost norms hold
+    small = cost.route_costs(1024, 1040, [layer])
+    assert cost.MATERIALIZED_MEMORY * small.numbers <= cost.FREE_FORMED_NUMBERS
+    assert small.materialize_is_cheaper() and "memory" not in small.describe()
+
+
+def test_a_vit_sized_call_keeps_the_ghost_norms_by_memory():
+    """A transformer block on 65 tokens at batch 32 (a ViT's): materialising is estimated
+    faster, but would hold 2 B P numbers, past what the ghost norms hold: "auto" keeps the
+    ghost norms (measured: materialising took 2.72x the non-private step's memory)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    model = nn.Sequential(block, nn.LayerNorm(128), nn.Linear(128, 10))
+    loss = pergrad.module_loss(model, lambda out, y: F.cross_entropy(out.mean(0, keepdim=True), y))
+    x, y = torch.randn(32, 65, 128), torch.randint(0, 10, (32, 1))
+    choice = pergrad.norms.choose_strategy(loss, loss.params(), x, y)
+    assert choice.strategy == "ghost", choice.reason
+    assert "ghost by memory" in choice.reason
+
+
 @pytest.mark.slow(
     reason="a subprocess quick run of the auto-choice benchmark: about 1-2 minutes on 2 cores"
 )

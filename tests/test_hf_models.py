@@ -77,8 +77,8 @@ def test_gpt2_causal_lm(checkpointing):
     before = state_of(model)
     loss = pergrad.module_loss(model, causal_lm_loss)
     grads, strategy, fallbacks = run(loss, inputs, labels)
-    assert strategy == ("vmap" if checkpointing == "no checkpointing" else "hooks")
-    assert len(fallbacks) == (strategy != "vmap")
+    # the layer hooks, ahead of vmap (which GPT-2's sdpa attention with a padding mask fails)
+    assert strategy == "hooks" and not fallbacks
     assert_matches(grads, torch_module_loop_grads(model, causal_lm_loss, [inputs], [labels]))
     assert_same_state(before, state_of(model))
 

@@ -769,14 +769,20 @@ def test_frozen_parameters_are_left_out():
 # --- known pergrad bugs (strict xfails: they start failing when the bug is fixed) ---------------
 
 
-def test_full_backward_hook_falls_back_to_a_correct_loop():
-    """torch.func refuses modules with full backward hooks; the loop of plain autograd works."""
+def test_full_backward_hook_gets_correct_per_example_grads():
+    """torch.func refuses modules with full backward hooks; "auto" takes the layer hooks (plain
+    autograd on the batch) ahead of vmap, without a warning, and the loop agrees."""
     model = mlp()
     model[2].register_full_backward_hook(lambda m, gi, go: None)
     loss = pergrad.module_loss(model, F.cross_entropy)
     x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
-    with pytest.warns(pergrad.FallbackWarning, match="setup_context"):
-        grads = pergrad.per_example_grads(loss)(loss.params(), x, y)
+    fn = pergrad.per_example_grads(loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = fn(loss.params(), x, y)
+    assert fn.last_strategy == "hooks"
+    with pytest.raises(ValueError, match="strategy='vmap'.*setup_context"):
+        pergrad.per_example_grads(loss, strategy="vmap")(loss.params(), x, y)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def reference(p, x, y):

@@ -94,7 +94,10 @@ def per_example_grads(
         grads = pergrad.per_example_grads(loss)(w, X, Y)   # X (B, 3), Y (B,) -> grads (B, 3)
 
     Cost: one vectorised forward and backward pass (the framework's ``vmap(grad)``), plus the
-    ``B x P`` output. An empty batch (``B == 0``) returns empty arrays of the right shapes.
+    ``B x P`` output. For a :func:`pergrad.module_loss` whose every parameter is in a layer
+    with a rule, ``"auto"`` takes the layer hooks instead: one plain forward and backward pass
+    of the batch, no weight gradient formed, after a first call of each layout that also
+    checks them. An empty batch (``B == 0``) returns empty arrays of the right shapes.
     """
     spec = Spec.create(
         "per_example_grads",
@@ -186,6 +189,7 @@ def _run(
     batch_size: int,
 ) -> Any:
     """``(value, grad leaves)`` by the requested strategy, or the one "auto" settles on
-    (``strategies/registry.py``: vmap, then layer hooks, then a loop)."""
+    (``strategies/registry.py``: layer hooks for a ``module_loss`` they cover, vmap, a
+    loop)."""
     request = GradsRequest(spec, call, kwargs, single, diff_values, batched_values, batch_size)
     return registry.execute("grads", request, spec.strategy)[0]

@@ -313,25 +313,64 @@ def layer_norm_work(layer: LayerWork) -> float:
     return layer.groups * (work + BOUND_WORK * positions * (width_in + width_out))
 
 
+# Memory in the route choice: materialising is taken for its speed only where what it holds,
+# MATERIALIZED_MEMORY x B x P numbers (the per-example gradients and a reduction's temporary
+# of their size: measured, BERT at 512 tokens, batch 4, 2 x 21.8 M numbers over the
+# non-private step), is little in absolute terms (at most FREE_FORMED_NUMBERS: 16 MB in float32,
+# what a non-private step of a small model spends on its activations anyway) or no more than
+# the ghost pass holds (every layer's output gradients, until all norms are known: an upper
+# bound of its extra memory). Past both, the time saved would cost a multiple of the
+# non-private step's memory (that BERT: 2.15x; a ViT at batch 32: 2.72x, against 1.42x / 1.34x
+# for the ghost norms' one-pass mode, 1.14x / 1.18x for its low-memory mode).
+FREE_FORMED_NUMBERS = 2**22
+MATERIALIZED_MEMORY = 2
+
+
+def layer_held_numbers(layer: LayerWork) -> float:
+    """Numbers per example the ghost pass holds for one layer call: its output gradient (or,
+    for a generic unit, its formed per-example gradient)."""
+    if layer.kind == "light":
+        return float(layer.widths[0])
+    if len(layer.widths) == 2:
+        return float(layer.groups * layer.positions * layer.widths[1])
+    return float(layer.numbers)
+
+
 class RouteCosts(NamedTuple):
-    """What :func:`route_costs` estimates for one call, in multiply-adds."""
+    """What :func:`route_costs` estimates for one call, in multiply-adds (work) and numbers
+    (memory)."""
 
     ghost: float
     materialize: float
     numbers: int  # B x P, the per-example gradient numbers materialising forms
+    held: float = 0.0  # the numbers the ghost pass holds (layer_held_numbers, times B)
 
     def materialize_is_cheaper(self) -> bool:
         return (
             MIN_CHOICE_NUMBERS <= self.numbers <= MAX_FORMED_NUMBERS
             and self.materialize < self.ghost
+            and not self.materialize_holds_more()
         )
+
+    def materialize_holds_more(self) -> bool:
+        """Whether materialising would hold more than the ghost norms and more than
+        ``FREE_FORMED_NUMBERS`` (see there)."""
+        return MATERIALIZED_MEMORY * self.numbers > max(FREE_FORMED_NUMBERS, self.held)
 
     def describe(self) -> str:
         """The comparison in words, for ``StrategyChoice.reason``."""
+        memory = (
+            f"; faster, materialising would hold about {MATERIALIZED_MEMORY * self.numbers:,} "
+            f"numbers, {MATERIALIZED_MEMORY * self.numbers / max(self.held, 1):.1f}x what the "
+            f"ghost norms hold ({self.held:,.0f}) and past {FREE_FORMED_NUMBERS:,}: ghost by "
+            f"memory (strategy='materialize' takes it anyway)"
+            if self.materialize < self.ghost and self.materialize_holds_more()
+            else ""
+        )
         return (
             f"estimated extra work over a batch gradient: ghost norms {self.ghost:.3g} "
             f"multiply-adds, materialised per-example gradients {self.materialize:.3g} "
-            f"({self.numbers:,} numbers, at most {MAX_FORMED_NUMBERS:,} allowed)"
+            f"({self.numbers:,} numbers, at most {MAX_FORMED_NUMBERS:,} allowed){memory}"
         )
 
 
@@ -343,4 +382,5 @@ def route_costs(batch_size: int, num_params: int, layers: list[LayerWork]) -> Ro
     per_example = sum(layer_norm_work(layer) for layer in layers)
     ghost = batch_size * per_example + GHOST_LAYER_COST * len(layers)
     numbers = batch_size * num_params
-    return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers)
+    held = batch_size * sum(layer_held_numbers(layer) for layer in layers)
+    return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers, held)

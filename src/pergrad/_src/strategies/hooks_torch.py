@@ -541,7 +541,13 @@ def assess(request: GradsRequest, forced: bool) -> Assessment:
     found = plan(spec, spec.fn, params)
     if found.unsupported:
         return Assessment("hooks", False, listing(found.unsupported))
-    return Assessment("hooks", True, "requested" if forced else "a module_loss", plan=found)
+    why = (
+        "requested"
+        if forced
+        else "a module_loss whose every parameter is in a layer with a rule: one plain pass of "
+        "the batch, ahead of vmap"
+    )
+    return Assessment("hooks", True, why, plan=found)
 
 
 def run(request: GradsRequest, verdict: Assessment) -> Any:

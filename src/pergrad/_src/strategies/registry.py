@@ -4,8 +4,9 @@ the one place where ``strategy="auto"`` picks among them and falls back.
 Two tasks share the table (:data:`ORDER` lists each task's strategies in the order "auto"
 considers them):
 
-- ``"grads"``, per-example gradients (:func:`pergrad.per_example_grads`): ``vmap``, ``hooks``
-  (PyTorch ``module_loss``), ``loop``.
+- ``"grads"``, per-example gradients (:func:`pergrad.per_example_grads`): ``hooks`` (a PyTorch
+  ``module_loss`` whose every parameter is in a layer with a rule: one plain pass of the batch,
+  faster than vmap once its layout is checked), ``vmap``, ``loop``.
 - ``"reduce"``, per-example squared norms and weighted sums without keeping the gradients
   (:func:`pergrad.norms.per_example_norms_of`, :func:`pergrad.dp.clipped_sum_of`,
   ``DPOptimizer``): ``ghost``, ``materialize`` (taken by "auto" for an empty batch, and where
@@ -29,7 +30,10 @@ Each :class:`Strategy` answers two questions:
 same for every strategy and task:
 
 - "auto": a refusal moves on silently (the assessment records why); an :class:`Unsupported`
-  moves on with a :class:`pergrad.FallbackWarning` that says what failed and what was taken.
+  moves on with a :class:`pergrad.FallbackWarning` that says what failed and what was taken,
+  unless every strategy that failed is only tried ahead of the one that worked for speed
+  (``Strategy.ahead``: the hooks, ahead of vmap): then nothing was lost, and the fallback is
+  recorded in ``last_strategy``'s reason without a warning.
 - A named strategy that refuses or fails raises a ``ValueError`` that names it, says why and
   what to pass instead; it never falls back.
 - A ``"grads"`` fallback is remembered (``spec.resolved``): later calls of the same function
@@ -74,6 +78,8 @@ class Strategy:
       failure: how its failure or refusal reads in a fallback warning, ``{why}`` filled in.
       fallback: whether "auto" tries it after a strategy before it in :data:`ORDER` failed
         while running (``materialize`` is chosen before running, by the cost model, or not).
+      ahead: "auto" tries it ahead of the next strategy of :data:`ORDER` for speed only: its
+        failure at run time, followed by the next one's success, is no fallback to warn of.
     """
 
     name: str
@@ -84,6 +90,7 @@ class Strategy:
     fallback_note: str
     failure: str
     fallback: bool = True
+    ahead: bool = False
 
 
 def select(task: str, request: Any, requested: str) -> tuple[Assessment, list[Assessment]]:
@@ -124,8 +131,9 @@ def execute(
     """``(result, the strategy that produced it)``: run the chosen strategy (``select``'s,
     unless given); under "auto", on :class:`Unsupported`, the next strategies of
     :data:`ORDER` that accept, with a :class:`pergrad.FallbackWarning` naming what failed."""
+    refused: list[Assessment] = []
     if chosen is None:
-        chosen, _ = select(task, request, requested)
+        chosen, refused = select(task, request, requested)
     strategy = _BY_NAME[task][chosen.strategy]
     if task == "reduce" and chosen.strategy != "materialize" and request.call.batch_size == 0:
         # An empty Poisson batch is ordinary input; no strategy has anything to capture.
@@ -138,7 +146,14 @@ def execute(
                 f"{request.spec.func_name}: strategy={requested!r} cannot handle this call: "
                 f"{err}. {strategy.instead}"
             ) from err
-        failures = [strategy.failure.format(why=err)]
+        # (then why a strategy tried ahead for speed refused the call: the hooks on a layer
+        # they cannot cover, or on a function that is not a module_loss itself)
+        failures = [strategy.failure.format(why=err)] + [
+            _BY_NAME[task][r.strategy].failure.format(why=r.why)
+            for r in refused
+            if _BY_NAME[task][r.strategy].ahead
+        ]
+        quiet = strategy.ahead
     else:
         spec = request.spec
         if task == "grads":
@@ -153,16 +168,19 @@ def execute(
         verdict = candidate.assess(request, False, {})
         if not verdict.accepted:
             failures.append(candidate.failure.format(why=verdict.why))
+            quiet = quiet and candidate.ahead
             continue
         try:
             out = candidate.run(request, _fallen_back(verdict, failures))
         except Unsupported as err:
             failures.append(candidate.failure.format(why=err))
+            quiet = quiet and candidate.ahead
             continue
-        warn_from_caller(
-            f"{request.spec.func_name}: {'; '.join(failures)}. Took strategy {name!r} "
-            f"instead: {candidate.fallback_note}"
-        )
+        if not quiet:
+            warn_from_caller(
+                f"{request.spec.func_name}: {'; '.join(failures)}. Took strategy {name!r} "
+                f"instead: {candidate.fallback_note}"
+            )
         if task == "grads":
             spec = request.spec
             spec.resolved, spec.last_reason = name, "; ".join(failures)
@@ -343,24 +361,25 @@ def layerwise(request: ReduceRequest, reduction: str, args: tuple[Any, ...]) -> 
 
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
-        "vmap",
-        "grads",
-        vmap.assess,
-        vmap.run,
-        "Use strategy='auto', which then takes layer hooks or a loop.",
-        "the framework's vmap.",
-        "{why}",
-    ),
-    Strategy(
         "hooks",
         "grads",
         _assess_hooks,
         _run_hooks,
-        "Use strategy='auto' (which falls back to a loop by itself) or 'loop'.",
+        "Use strategy='auto' (which takes vmap or a loop by itself) or 'loop'.",
         "per-example gradients from layer hooks over one forward and backward pass of the "
         "batch, checked against the batch gradient. Later calls of this function use it "
         "directly.",
         "layer hooks cannot take this call ({why})",
+        ahead=True,
+    ),
+    Strategy(
+        "vmap",
+        "grads",
+        vmap.assess,
+        vmap.run,
+        "Use strategy='auto', which takes layer hooks or a loop where vmap fails.",
+        "the framework's vmap.",
+        "{why}",
     ),
     Strategy(
         "loop",
@@ -413,7 +432,7 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 ORDER: dict[str, tuple[str, ...]] = {
-    "grads": ("vmap", "hooks", "loop"),
+    "grads": ("hooks", "vmap", "loop"),
     "reduce": ("ghost", "materialize", "chunked"),
 }
 
