@@ -93,8 +93,10 @@ class DPOptimizer:
     ``torch/fsdp.py``, the noise ``torch/fsdp_noise.py``); correlated noise keeps each
     process's share of its state. Tied weights, mixed precision (FSDP's
     ``MixedPrecisionPolicy`` or ``torch.autocast``: the clipped sum from the records in
-    float32) and ``user_ids`` (each user on one process) work too. Not yet: parameters
-    outside every layer with a ghost rule, HSDP meshes: each is refused with the reason.
+    float32), ``user_ids`` (each user on one process) and parameters without a ghost rule (a
+    class token, a LayerScale: their module run alone per example, ``torch/fsdp_units.py``)
+    work too. Not yet: such a parameter on a module that is or holds a ``fully_shard``'ed
+    module (the root), HSDP meshes: each is refused with the reason.
 
     Cost: the clipped sum comes from :func:`pergrad.dp.clipped_sum_of` with ``strategy``
     (default ``"auto"``): for models built from standard layers (Linear, Conv1d/2d, Embedding,

@@ -28,8 +28,16 @@ Each process holds ``1/N`` of every parameter and its own examples. One step:
    shards only (``1/N`` of it): the recursion is linear and acts on each coordinate alone
    across the steps, so each coordinate's noise is the single-process run's.
 
-Tied weights (GPT-2's embedding as its output projection, both layers in one FSDP group) add
-the cross terms of ``capture/torch_tied.py`` to their norms. **Mixed precision**
+**Parameters without a ghost rule** (a ViT's class token and position embeddings, a
+LayerScale's ``gamma``, a weight used through ``F.linear``): their generic unit (as in one
+process, ``capture/torch_generic.py``) is hooked in the norm pass, its parameters cloned at its
+call (FSDP frees them after), and run alone over this process's examples after the backward
+pass (``fsdp_units.py``): their ``(B, *shape)`` per-example gradients, complete on each process,
+add their squared norms (formed in float32: exact as a materialised gradient's) to each
+example's; the weighted backward pass covers their clipped sum, and from the records each
+process adds ``sum_i w_i g_i`` of them, all-reduced like the others. Tied weights (GPT-2's
+embedding as its output projection, both layers in one FSDP group) add the cross terms of
+``capture/torch_tied.py`` to their norms. **Mixed precision**
 (``MixedPrecisionPolicy`` with a low ``param_dtype`` or ``reduce_dtype``, or ``torch.autocast``):
 a bfloat16 backward pass would round each weighted gradient after its norm was bounded, so step
 2 becomes each layer rule's weighted sum of the norm pass's records in float32 (as the
@@ -48,7 +56,9 @@ and backward passes, after the norms), for one all-reduce of one number per micr
 than the step needs anyway; the model is left as it was and the next step runs normally.
 
 What this slice refuses (:func:`check_sharded_model`, with the reason): a parameter outside
-every layer with a ghost rule (no per-example gradients formed shard by shard yet), a tie
+every layer with a ghost rule whose unit is or holds an FSDP2 module (run alone, it would run
+FSDP's collectives inside ``vmap``: a bare parameter of the root), a unit that mixes the
+examples or whose output is not batched on axis 0 (at the step, on every process), a tie
 between layers with no cross rule, a parameter left out of every ``fully_shard``, a 2-D (HSDP)
 mesh, a noise mechanism other than independent Gaussian noise and the correlated noise of
 :mod:`pergrad._src.dp.correlated` (a mechanism of one's own has no recursion to run shard by
@@ -71,8 +81,10 @@ from pergrad._src.api.reductions import global_norms
 from pergrad._src.backends import backend_of
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import capturing, layer_calls, per_example_losses
+from pergrad._src.capture.torch_plan import GENERIC
 from pergrad._src.capture.torch_quantities import (
     LeafSquaredNorms,
+    add_formed_sums,
     add_layer_sums,
     layer_squared_norms,
     squared_norms,
@@ -89,6 +101,7 @@ from pergrad._src.errors import PergradValueError, Unsupported
 from pergrad._src.strategies.protocol import StrategyChoice
 from pergrad._src.torch.fsdp_checks import SHARDED_HINT, ShardedModel, agree, agreed_batch
 from pergrad._src.torch.fsdp_checks import check_sharded_model as check_sharded_model
+from pergrad._src.torch.fsdp_units import UnitCapture, capturing_units, formed_gradients
 
 #: the strategy name :class:`pergrad.dp.DPStep` reports for a step on an FSDP2 model
 STRATEGY = "ghost-fsdp"
@@ -153,11 +166,14 @@ def clipped_sum_run(
     # all (users' norms).
     low_memory = user_ids is None and sharded.low_precision is None and not autocast
     low_precision = sharded.low_precision is not None or autocast
-    losses, session, computed, from_records = _norm_pass(
+    losses, session, computed, from_records, units = _norm_pass(
         sharded, loss, inputs, targets, batch_size, low_memory, low_precision
     )
     problem: Exception | None = None
     try:  # (a layer whose norms failed in the backward pass fails here again)
+        dtypes = {name: session.params[name].dtype for name in session.params}
+        session.unit_grads = formed_gradients(session.owners, units, batch_size, dtypes)
+        del units  # (the units' records and parameters' clones)
         squared = _squared_norms(session, user_ids, computed)
     except Unsupported as err:  # no fallback here: the chunked strategy cannot take DTensors
         problem = PergradValueError(f"{func_name}: on an FSDP2 model, {err}; {SHARDED_HINT}.")
@@ -177,6 +193,7 @@ def clipped_sum_run(
         summed = _weighted_backward(sharded, loss, inputs, targets, batch_size, per_example)
     clipped = clip_statistics(bk, summed, [norms], [max_norm], weights)
     rules = {name: rule_for(layer).name for name, layer in sharded.owners.modules.items()}
+    rules.update(dict.fromkeys(sharded.owners.units, GENERIC))
     choice = StrategyChoice(STRATEGY, _REASON_RECORDS if from_records else _REASON, None, rules)
     return ClippedRun(clipped, choice, STRATEGY, losses.detach())
 
@@ -237,12 +254,13 @@ def _norm_pass(
     batch_size: int,
     low_memory: bool,
     low_precision: bool,
-) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]], bool]:
+) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]], bool, UnitCapture]:
     """The per-example losses, every layer's records, output gradients filled, as a
     :class:`~pergrad._src.capture.torch_session.CapturedPass` whose parameters are stand-ins
     (the reductions read their names, shapes and dtypes only; the rules read the records), the
-    norms computed in the pass, and whether the clipped sum comes from the records
-    (``low_precision`` on some process, or some layer's output below float32 on one).
+    norms computed in the pass, whether the clipped sum comes from the records
+    (``low_precision`` on some process, or some layer's output below float32 on one), and the
+    generic units' calls and parameters (``fsdp_units.py``), their output gradients filled.
 
     Between the forward and the backward pass, which both run FSDP's collectives, the
     processes agree (``fsdp_checks.agree``, one all-reduce) on whether the per-example losses
@@ -254,7 +272,10 @@ def _norm_pass(
     computed: dict[str, dict[str, Any]] = {}
     device = _device(sharded)
     with torch.enable_grad():
-        with capturing(owners.modules, batch_size) as records:
+        with (
+            capturing(owners.modules, batch_size) as records,
+            capturing_units(owners.units, batch_size) as units,
+        ):
             output = loss.forward(None, inputs)
             try:
                 losses = _row_losses(loss, output, targets, batch_size)
@@ -262,8 +283,12 @@ def _norm_pass(
             except Exception as err:  # the user's loss_fn on this process's targets
                 losses, problem = None, err
             del output
-        outputs = [r.output for rs in records.values() for r in rs if r.hooked]
+        outputs = [r.output for rs in records.values() for r in rs if r.hooked] + units.targets
         low = any(x.is_floating_point() and x.element_size() < 4 for x in outputs)
+        if problem is None and units.problems:
+            problem = PergradValueError(
+                f"DPOptimizer: on an FSDP2 model, {'; '.join(units.problems)}; {SHARDED_HINT}."
+            )
         try:
             (from_records,) = agree(
                 "DPOptimizer", sharded.group, problem, device, low_precision or low
@@ -283,6 +308,8 @@ def _norm_pass(
             # an empty batch too: FSDP gathers each layer's weights again in this pass, a
             # collective every process must join.
             torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+        del outputs
+        units.targets.clear()
     for layer_records in records.values():
         for record in layer_records:
             record.output = None
@@ -303,7 +330,7 @@ def _norm_pass(
         rng=None,
         loss_values=losses.detach(),
     )
-    return losses, session, computed, from_records
+    return losses, session, computed, from_records, units
 
 
 def _device(sharded: ShardedModel) -> Any:
@@ -388,7 +415,8 @@ def _records_sum(
     DTensor like it, in ``trainable`` order): layer by layer, the rule's weighted sum of this
     process's records in float32 (examples of weight 0 cleaned first, ``weighted_calls``),
     the layer's records freed, and each parameter's sum all-reduced whole and cut to this
-    process's shard; a tied parameter's once its every use is added, after the other layers.
+    process's shard; a tied parameter's once its every use is added, after the other layers;
+    the generic units' parameters' from their formed per-example gradients, last.
     Collective: every process reduces the same parameters in the same order."""
     owners = session.owners
     groups = [(weights, list(range(len(session.diff))))]
@@ -415,6 +443,16 @@ def _records_sum(
                 summed[name] = _reduced_shard(sharded, name, value)
     for name, value in tied.items():
         summed[name] = _reduced_shard(sharded, name, value)
+    if owners.units:  # the formed per-example gradients' sums (fsdp_units.py)
+        values = [None] * len(session.diff)
+        add_formed_sums(session, groups, values)
+        session.unit_grads = {}
+        for names in owners.unit_parameters.values():
+            for name in names.values():
+                value = values[session.index_of(name)]
+                if value is None:  # (no example here, or the unit did not reach the loss)
+                    value = session.params[name].new_zeros(session.params[name].shape)
+                summed[name] = _reduced_shard(sharded, name, value)
     return {name: summed[name] for name in sharded.trainable}
 
 

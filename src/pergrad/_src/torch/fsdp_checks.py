@@ -35,7 +35,8 @@ from torch import nn
 from pergrad._src.backends import backend_of
 from pergrad._src.capture import torch_tied
 from pergrad._src.capture.rules import layer_parameters, rule_for
-from pergrad._src.capture.torch_plan import Ownership, ownership
+from pergrad._src.capture.torch_generic import find_unit
+from pergrad._src.capture.torch_plan import GENERIC, Ownership, ownership
 from pergrad._src.dp.correlated import CorrelatedNoise
 from pergrad._src.dp.noise import GaussianNoise, NoiseMechanism
 from pergrad._src.dp.users import check_user_ids
@@ -44,9 +45,11 @@ from pergrad._src.errors import PergradTypeError, PergradValueError
 #: what an FSDP2 model must be, in this version (the end of every refusal's message)
 SHARDED_HINT = (
     "DPOptimizer on an FSDP2 model (fully_shard) takes, in this version, models whose "
-    "trainable parameters all belong to layers with a ghost rule (Linear, Conv1d/2d, "
-    "Embedding, norm layers, ...), tied only where pergrad has a cross rule (an embedding "
-    "and a linear head, two embeddings), on a 1-D mesh"
+    "trainable parameters belong to layers with a ghost rule (Linear, Conv1d/2d, Embedding, "
+    "norm layers, ...) or to modules that hold no fully_shard'ed module (a class token, a "
+    "LayerScale's gamma: their per-example gradients formed, the module run alone over the "
+    "examples), tied only where pergrad has a cross rule (an embedding and a linear head, two "
+    "embeddings), on a 1-D mesh"
 )
 
 
@@ -194,13 +197,62 @@ def _layer_rules(
                 f"rule for {pair}: their per-example gradients' inner products; {SHARDED_HINT}."
             )
     orphans = [name for name in trainable if name not in uses_of]
-    if orphans:
-        raise PergradValueError(
-            f"{func_name}: the trainable parameter(s) {orphans} belong to no layer with a "
-            f"ghost rule, and per-example gradients are not formed shard by shard yet; {SHARDED_HINT}. "
-            f"Freeze them (requires_grad_(False)) or replace the layer."
-        )
+    rules.update(_unit_rules(func_name, model, orphans))
     return rules
+
+
+def _unit_rules(func_name: str, model: nn.Module, orphans: list[str]) -> dict[str, str]:
+    """Unit name -> ``"generic"`` for the generic units (``capture/torch_generic.find_unit``)
+    that form the per-example gradients of the trainable parameters ``orphans``, which no
+    layer with a rule uses (``fsdp_units.py``); refuses a parameter with no unit, a parameter
+    used under two names, and a unit that is or holds an FSDP2 module (run alone, it would run
+    FSDP's collectives inside ``vmap``, and gather all of its parameters on each process)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names_of: dict[int, list[str]] = {}
+    for full, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(full)
+    units: dict[str, str] = {}
+    for name in orphans:
+        owner = name.rpartition(".")[0]
+        unit = find_unit(model, owner) if rule_for(model.get_submodule(owner)) is None else None
+        if unit is None:
+            raise PergradValueError(
+                f"{func_name}: the trainable parameter(s) {[name]} belong to no layer with a "
+                f"ghost rule, and no part of the model can form their per-example gradients "
+                f"alone; {SHARDED_HINT}. Freeze them (requires_grad_(False)) or replace the "
+                f"layer."
+            )
+        aliases = names_of[id(model.get_parameter(name))]
+        if len(aliases) > 1:
+            raise PergradValueError(
+                f"{func_name}: parameter {name!r}, which no layer with a ghost rule uses, is "
+                f"also the model's {aliases[1:]} (tied weights); {SHARDED_HINT}."
+            )
+        sharded = [
+            sub or "<root>"
+            for sub, module in model.named_modules()
+            if isinstance(module, FSDPModule) and _within(sub, unit)
+        ]
+        if sharded:
+            where = f"module {unit!r}" if unit else "the model itself"
+            raise PergradValueError(
+                f"{func_name}: the trainable parameter(s) {[name]} belong to no layer with a "
+                f"ghost rule; their per-example gradients come from running {where} "
+                f"({type(model.get_submodule(unit)).__name__}) alone over the examples, but "
+                f"it holds the FSDP2 module(s) {sharded[:3]} (fully_shard), whose collectives "
+                f"cannot run per example. Move such parameters into a submodule of their own "
+                f"that is not fully_shard'ed and holds no fully_shard'ed module (e.g. a ViT's "
+                f"cls_token and pos_embed into the module of its patch embedding), or freeze "
+                f"them (requires_grad_(False)); {SHARDED_HINT}."
+            )
+        units[unit] = GENERIC
+    return units
+
+
+def _within(module_name: str, unit: str) -> bool:
+    """Whether module ``module_name`` is ``unit`` or one of its submodules."""
+    return unit == "" or module_name == unit or module_name.startswith(f"{unit}.")
 
 
 def agreed_batch(
