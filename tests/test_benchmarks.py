@@ -218,6 +218,22 @@ def test_the_repository_command_is_a_thin_alias() -> None:
     assert "benchmarks/results" in done.stdout.replace("\n", "").replace(" ", "")
 
 
+@pytest.mark.slow(reason="a subprocess quick run of the hooks-against-vmap benchmark: ~15 s")
+def test_hooks_vs_vmap_benchmark_quick_run(tmp_path) -> None:
+    """benchmarks/hooks_vs_vmap.py --quick: a row per workload, with a positive ratio."""
+    out = tmp_path / "hooks_vs_vmap.md"
+    command = [sys.executable, "benchmarks/hooks_vs_vmap.py", "--quick", "--out", str(out)]
+    subprocess.run(command, check=True, cwd=REPO_ROOT, capture_output=True, timeout=600)
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")][2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| linreg (B=8)",
+        "| mlp (B=8)",
+        "| cnn (B=8)",
+        "| transformer (B=8)",
+    ]
+    assert all(float(row.split(" | ")[-1].rstrip(" |x")) > 0 for row in rows)
+
+
 @pytest.mark.slow(
     reason="a subprocess quick run of the strategies benchmark: about 20 s on 2 CPU cores"
 )
