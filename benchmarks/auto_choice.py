@@ -18,8 +18,10 @@ Workloads, each a ``pergrad.dp.DPOptimizer`` step (``torch.optim.SGD``, ``max_no
 * ``wide MLP``: 784 -> 1024 -> 1024 -> 10, batch 64;
 * ``transformer``: two pre-norm blocks (width 256, 4 heads, MLP 4x, ``nn.Linear`` and
   ``nn.LayerNorm``, scaled dot-product attention), an embedding and a linear head: 256 tokens,
-  batch 8 (13.7 M per-example numbers, within ``cost.MAX_FORMED_NUMBERS``: chosen by time),
-  and 128 tokens, batch 32 (55 M: past it, so the ghost norms by memory).
+  batch 8 (13.7 M per-example numbers, within ``cost.MAX_FORMED_NUMBERS``; materialising is
+  estimated faster, but would hold about twice what the ghost norms hold: the ghost norms, by
+  memory, ``cost.FREE_FORMED_NUMBERS``), and 128 tokens, batch 32 (55 M: past
+  ``MAX_FORMED_NUMBERS``, so the ghost norms).
 
 Methods, each on its own copy of the model (same initialisation, same batch), timed in
 interleaved rounds (``pergrad.bench.timing.time_interleaved``, one warm-up step each, which

@@ -4,9 +4,10 @@ breaks, side by side with the eager model (issue 36).
 Run:  python benchmarks/dp_compile.py [--quick] [--backend inductor] [--out PATH.md]
 
 The committed results: ``python benchmarks/dp_compile.py --out
-benchmarks/results/cpu/dp_compile.md`` (about 6 minutes on 2 cores: most of it is inductor
-compiling). ``--quick``: tiny models, the ``aot_eager`` backend (no C++ compiler needed),
-2 rounds: about 30 s.
+benchmarks/results/cpu/dp_compile_probes.md`` (about 6 minutes on 2 cores: most of it is
+inductor compiling; ``dp_compile.md`` is the run before the whole-graph capture).
+``--quick``: tiny models, the ``aot_eager`` backend (no C++ compiler needed), 2 rounds: about
+30 s.
 
 Models and batches are ``benchmarks/dp_transformers.py``'s (small Hugging Face configs, no
 dropout, training mode), smaller here (2 layers, width 128, vocabulary 2048, 64 tokens) so that
@@ -19,17 +20,21 @@ initialisation, same batch):
   (``strategy="auto"``, which may materialise per-example gradients of a small model);
 * ``pergrad DP compiled``: the same with the compiled model;
 * ``pergrad DP ghost`` / ``pergrad DP ghost compiled``: the same with ``strategy="ghost"``, the
-  path with pergrad's forward hooks (where the graph breaks are).
+  path with pergrad's forward hooks (where the graph breaks were, before the whole-graph
+  capture).
 
 Each compiled method runs in a process of its own (forked), next to the eager non-private step
 and the eager twin it is compared with (see ``GROUPS``): ratios are paired within a process;
 the compiled DP step's ratio to the compiled non-private step goes through the eager
 non-private step of each process.
 
-First step: the wall time of each method's first call (for the compiled methods, dynamo's
-tracing and the backend's compilation of the forward and backward graphs), with dynamo's
-counters over it: graphs compiled, graph breaks (with their reasons) and recompilations.
-Each process compiles into a fresh inductor cache folder (a cold compile, as a new run's first
+First and second step: the wall time of each method's first and second calls (for the compiled
+methods, dynamo's tracing and the backend's compilation of the forward and backward graphs),
+with dynamo's counters over each: graphs compiled, graph breaks (with their reasons) and
+recompilations. pergrad's ghost step on a compiled model checks each new layout on its first
+step eagerly (no compilation) and compiles its hot path, the norm pass with every layer's
+records in one graph (``capture/torch_compiled.py``), on the second: the compile time is the
+two steps' together, and the graphs of the hot path are the second step's. Each process compiles into a fresh inductor cache folder (a cold compile, as a new run's first
 step). Steady state: median of ``--rounds`` interleaved rounds after one more warm-up step each
 (:func:`pergrad.bench.timing.time_interleaved`); ratios are medians of per-round ratios. The
 graphs compiled during the timed rounds are counted too (0: nothing recompiles once warm).
@@ -192,7 +197,9 @@ def time_group(
 def time_steps(
     methods: tuple[str, ...], workload: Workload, config: Config, backend: str, rounds: int
 ) -> dict[str, Any]:
-    steps, result = {}, {"first_s": {}, "first": {}, "failed": {}, "info": {}}
+    steps: dict[str, Any] = {}
+    result: dict[str, Any] = {"first_s": {}, "first": {}, "second_s": {}, "second": {}}
+    result.update(failed={}, info={})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for method in methods:
@@ -201,7 +208,11 @@ def time_steps(
                 before = dynamo_counters()
                 _, result["first_s"][method] = timed(call)
                 result["first"][method] = counted_since(before)
-                call()  # the second step: a recompilation for new guards shows here
+                # the second step: the compiled ghost step's hot path compiles here, and a
+                # recompilation for new guards shows here
+                before = dynamo_counters()
+                _, result["second_s"][method] = timed(call)
+                result["second"][method] = counted_since(before)
                 steps[method], result["info"][method] = call, info
             except Exception as error:  # a method that fails is a result
                 result["failed"][method] = error_summary(error)
@@ -213,7 +224,8 @@ def time_steps(
 
 def time_workload(workload: Workload, config: Config, args: argparse.Namespace) -> dict[str, Any]:
     """Every method, each group in its own forked process: ms, ratios, first steps, counts."""
-    merged: dict[str, Any] = {"first_s": {}, "first": {}, "failed": {}, "info": {}}
+    merged: dict[str, Any] = {"first_s": {}, "first": {}, "second_s": {}, "second": {}}
+    merged.update(failed={}, info={})
     merged.update(ms={}, base_ms={}, to_eager_base={}, steady={})
     for methods in GROUPS:
         try:
@@ -222,7 +234,7 @@ def time_workload(workload: Workload, config: Config, args: argparse.Namespace) 
         except ChildFailed as error:
             merged["failed"].update({m: f"fails: {error.reason}" for m in methods})
             continue
-        for key in ("first_s", "first", "failed", "info"):
+        for key in ("first_s", "first", "second_s", "second", "failed", "info"):
             merged[key].update(
                 {m: v for m, v in group[key].items() if m != BASE or m not in merged[key]}
             )
@@ -245,9 +257,9 @@ def table(workload: Workload, result: dict[str, Any]) -> str:
     for method in METHODS:
         if method in result["failed"] or method not in ratio:
             failure = result["failed"].get(method, "not timed")
-            rows.append([workload.name, method, failure] + [""] * 7)
+            rows.append([workload.name, method, failure] + [""] * 9)
             continue
-        first = result["first"][method]
+        first, second = result["first"][method], result["second"][method]
 
         def over(other: str, method: str = method) -> str:
             return f"{ratio[method] / ratio[other]:.2f}x" if other in ratio else "-"
@@ -257,12 +269,13 @@ def table(workload: Workload, result: dict[str, Any]) -> str:
                 workload.name,
                 method,
                 fmt(1e3 * result["first_s"][method], ".0f", " ms"),
+                fmt(1e3 * result["second_s"][method], ".0f", " ms"),
                 fmt(result["ms"][method], ".1f"),
                 fmt(result["base_ms"][method], ".1f"),
                 f"{over(versus[method])} ({versus[method]})",
                 over(EAGER_TWIN[method]),
-                str(first["graphs"]),
-                str(sum(first["breaks"].values())),
+                f"{first['graphs']} / {second['graphs']}",
+                f"{sum(first['breaks'].values())} / {sum(second['breaks'].values())}",
                 result["info"][method].get("strategy", ""),
             ]
         )
@@ -271,12 +284,13 @@ def table(workload: Workload, result: dict[str, Any]) -> str:
             "workload",
             "method",
             "first step",
+            "second step",
             "steady ms",
             "non-private ms, same process",
             "ratio to its non-private step",
             "ratio to the eager same step",
-            "graphs",
-            "graph breaks",
+            "graphs (1st / 2nd step)",
+            "graph breaks (1st / 2nd step)",
             "strategy",
         ],
         rows,
@@ -286,18 +300,19 @@ def table(workload: Workload, result: dict[str, Any]) -> str:
 def breaks_summary(workload: Workload, result: dict[str, Any]) -> list[str]:
     lines = []
     for method in COMPILED:
-        first = result["first"].get(method)
-        if first is None:
-            continue
-        reasons = Counter()
-        for reason, count in first["breaks"].items():
-            reasons[short_reason(reason)] += count
-        listed = "; ".join(f"{count}x {reason}" for reason, count in reasons.most_common())
-        lines.append(
-            f"- {workload.name} / {method}: {first['graphs']} graphs, "
-            f"{sum(reasons.values())} graph breaks, {first['frames']} frames converted in the first "
-            f"step" + (f": {listed}" if listed else "")
-        )
+        for step, which in (("first", "first"), ("second", "second")):
+            counted = result[which].get(method)
+            if counted is None:
+                continue
+            reasons: Counter = Counter()
+            for reason, count in counted["breaks"].items():
+                reasons[short_reason(reason)] += count
+            listed = "; ".join(f"{count}x {reason}" for reason, count in reasons.most_common())
+            lines.append(
+                f"- {workload.name} / {method}: {counted['graphs']} graphs, "
+                f"{sum(reasons.values())} graph breaks, {counted['frames']} frames converted in "
+                f"the {step} step" + (f": {listed}" if listed else "")
+            )
     for method, steady in result["steady"].items():
         lines.append(
             f"- {workload.name} / {method}, timed rounds: {steady['graphs']} graphs compiled, "
@@ -327,7 +342,8 @@ def header(args: argparse.Namespace, config: Config, load_before: str) -> str:
             f"{config.width}, {config.heads} heads, vocabulary {config.vocab}; no dropout; "
             f"max_norm {MAX_NORM}, noise_multiplier {NOISE}, torch.optim.SGD",
             f"time: median of {args.rounds} interleaved rounds after the first step and one "
-            f"more; first step: one wall-clock measurement (compilation included)",
+            f"more; first and second step: one wall-clock measurement each (compilation "
+            f"included)",
             f"command: `{machine.command_line()}`",
         ],
     )
@@ -363,7 +379,8 @@ def main() -> None:
         [
             "\n\n".join(tables),
             "Graph breaks (dynamo's counters; a break splits the forward into separately "
-            "compiled graphs with Python in between):",
+            "compiled graphs with Python in between), in the first step, the second (where "
+            "the compiled ghost step compiles its hot path) and the timed rounds:",
             "\n".join(breaks),
         ]
     )

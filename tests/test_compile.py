@@ -182,18 +182,232 @@ def test_dp_step_leaves_the_compiled_model_as_it_was(backend: str) -> None:
     torch.testing.assert_close(compiled(make_batch()[0]), make_model()(make_batch()[0]))
 
 
-def test_the_graph_breaks_of_a_compiled_ghost_step_are_the_untraced_hooks() -> None:
-    """pergrad's capture hook stores each layer's output gradient (a side effect dynamo cannot
-    keep in a graph): the graph breaks there, but at a hook dynamo does not try to trace (no
-    failed attempt, no recompilation of the hook for each layer), and nowhere else."""
+def dp_updates(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], strategy: str = "ghost"
+) -> list[list[torch.Tensor]]:
+    """The parameters after each of several noiseless DP-SGD steps of ``model`` (every example
+    clipped)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    private = pergrad.dp.DPOptimizer(
+        optimizer,
+        model,
+        F.cross_entropy,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=BATCH,
+        strategy=strategy,
+    )
+    updates = []
+    for x, y in batches:
+        assert private.step(x, y).clip_fraction == 1.0
+        updates.append([p.detach().clone() for p in model.parameters()])
+    return updates
+
+
+def batches(sizes: tuple[int, ...] = (BATCH, BATCH, BATCH)) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randn(size, FEATURES, dtype=torch.float64, generator=generator),
+            torch.randint(0, CLASSES, (size,), generator=generator),
+        )
+        for size in sizes
+    ]
+
+
+@pytest.fixture
+def in_graphs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each capture of a ``torch.compile(model)`` came from whole graphs
+    (``torch_compiled.capture`` gave records) or took the eager capture (as a first run of a
+    layout does: its checks run eagerly)."""
+    from pergrad._src.capture import torch_compiled
+
+    taken: list[bool] = []
+    original = torch_compiled.capture
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        found = original(*args, **kwargs)
+        if isinstance(args[0].model, torch._dynamo.eval_frame.OptimizedModule):
+            taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(torch_compiled, "capture", spy)
+    return taken
+
+
+@pytest.mark.parametrize("backend", NO_COMPILER_BACKENDS)
+def test_dp_steps_of_a_compiled_model_run_in_whole_graphs_and_equal_the_eager_ones(
+    backend: str, in_graphs: list[bool]
+) -> None:
+    """The first step checks the layout eagerly; the next ones capture the compiled model's
+    records in whole graphs, with the eager model's update (every example clipped), and a
+    new batch size (Poisson sampling) compiles its probes' shapes and stays exact."""
+    steps = batches((BATCH, BATCH, BATCH - 1, BATCH))
+    expected = dp_updates(make_model(), steps)
+    compiled, inner = compiled_whole(backend)
+    before = snapshot(inner)
+    got = dp_updates(compiled, steps)
+    assert in_graphs == [False, True, True, True]  # the first step: eager, checked
+    for got_step, expected_step in zip(got, expected):
+        for a, b in zip(got_step, expected_step):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    after = snapshot(inner)
+    after["grads"], after["params"] = before["grads"], before["params"]  # the optimizer's
+    assert_unchanged(before, after)
+
+
+def test_the_hot_path_of_a_compiled_ghost_step_is_one_graph(in_graphs: list[bool]) -> None:
+    """After the first (eager, checking) step, a step compiles ONE graph with no break (the
+    norm pass: the model with every layer's probe), and a later one compiles nothing."""
     from torch._dynamo.utils import counters
 
-    counters.clear()
-    dp_update(compiled_whole("aot_eager")[0], "ghost")
-    reasons = list(counters["graph_break"])
-    assert reasons  # the hooks do break the graph: this test watches where
-    for reason in reasons:
-        assert "torch.compiler.disable" in reason and "capturing.<locals>.hook" in reason, reason
+    counted = []
+    compiled, _ = compiled_whole("aot_eager")
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.5)
+    private = pergrad.dp.DPOptimizer(
+        optimizer,
+        compiled,
+        F.cross_entropy,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=BATCH,
+        strategy="ghost",
+    )
+    for x, y in batches():
+        counters.clear()
+        private.step(x, y)
+        counted.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    assert in_graphs == [False, True, True]
+    assert counted == [(0, 0), (1, 0), (0, 0)]
+
+
+def test_norms_of_a_compiled_model_in_whole_graphs_equal_the_loop(in_graphs: list[bool]) -> None:
+    x, y = make_batch()
+    eager_loss = pergrad.module_loss(make_model(), F.cross_entropy)
+    grads = pergrad.per_example_grads(eager_loss)(eager_loss.params(), x, y)
+    loop = torch.stack(
+        [torch.cat([g[i].reshape(-1) for g in grads.values()]).norm() for i in range(BATCH)]
+    )
+    loss = pergrad.module_loss(compiled_whole("aot_eager")[0], F.cross_entropy)
+    for _ in range(2):  # the first call checks the layout, the second runs in whole graphs
+        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), x, y, strategy="ghost")
+        torch.testing.assert_close(norms, loop, rtol=1e-10, atol=1e-12)
+    assert in_graphs == [False, True]
+
+
+def test_a_dropped_layer_record_takes_the_eager_capture(
+    monkeypatch: pytest.MonkeyPatch, in_graphs: list[bool]
+) -> None:
+    """A compiled run that misses a layer call's record (here: a hook that records nothing for
+    the last layer, as a graph reused without pergrad's hooks would) is not used: the step
+    takes the eager capture and its norms count every layer."""
+    from pergrad._src.capture import torch_compiled
+
+    original = torch_compiled._probe_hook
+
+    def forgetful(size: int, axes: Any, name: str, module: nn.Module, args: Any, out: Any) -> Any:
+        if name.endswith(".3"):
+            return out
+        return original(size, axes, name, module, args, out)
+
+    monkeypatch.setattr(torch_compiled, "_probe_hook", forgetful)
+    x, y = make_batch()
+    eager_loss = pergrad.module_loss(make_model(), F.cross_entropy)
+    expected = pergrad.norms.per_example_norms_of(eager_loss, eager_loss.params(), x, y)
+    loss = pergrad.module_loss(compiled_whole("aot_eager")[0], F.cross_entropy)
+    for _ in range(3):
+        norms = pergrad.norms.per_example_norms_of(loss, loss.params(), x, y, strategy="ghost")
+        torch.testing.assert_close(norms, expected, rtol=1e-10, atol=1e-12)
+    assert in_graphs == [False, False, False]
+
+
+def test_a_graph_compiled_before_the_dp_steps_is_not_reused_without_records(
+    in_graphs: list[bool],
+) -> None:
+    """The user's compiled model called before pergrad's steps (its graphs traced without
+    pergrad's hooks, which dynamo does not guard on) and between them: the steps stay exact,
+    and the model's own calls stay plain."""
+    steps = batches()
+    expected = dp_updates(make_model(), steps)
+    compiled, _ = compiled_whole("aot_eager")
+    x = make_batch()[0]
+    plain = compiled(x).detach()
+    torch.testing.assert_close(plain, make_model()(x))
+    got = dp_updates(compiled, steps)
+    assert in_graphs == [False, True, True]
+    for a, b in zip(got[-1], expected[-1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    model_after = make_model()
+    for p, value in zip(model_after.parameters(), got[-1]):
+        p.data.copy_(value)
+    torch.testing.assert_close(compiled(x), model_after(x))  # no probe left in its graph
+
+
+class TokensWithABreak(nn.Module):
+    """Token and position embeddings (the positions one ``(1, T)`` row shared by the batch,
+    broadcast: pergrad expands them per example), a graph break of the model's own between
+    its layers, and a linear head over the mean of the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(11, 8)
+        self.positions = nn.Embedding(4, 8)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        hidden = self.tokens(ids) + self.positions(positions)
+        torch._dynamo.graph_break()
+        return self.head(torch.tanh(hidden).mean(1))
+
+
+def test_shared_positions_and_a_break_of_the_models_own_stay_exact(
+    in_graphs: list[bool],
+) -> None:
+    """The records of a compiled run cut by the model's own graph break are complete (two
+    graphs, pergrad's probes in both), and a lookup broadcast over the batch gets its
+    per-example output gradients: the steps equal the eager model's."""
+    generator = torch.Generator().manual_seed(3)
+    steps = [
+        (torch.randint(0, 11, (BATCH, 4), generator=generator), torch.randint(0, CLASSES, (BATCH,)))
+        for _ in range(3)
+    ]
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return TokensWithABreak().double()
+
+    expected = dp_updates(model(), steps)
+    got = dp_updates(torch.compile(model(), backend="aot_eager"), steps)
+    assert in_graphs == [False, True, True]
+    for a, b in zip(got[-1], expected[-1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_model_whose_layers_are_compiled_in_place_keeps_the_eager_capture(
+    in_graphs: list[bool],
+) -> None:
+    """``layer.compile()``: each layer a graph of its own, the hooks outside them: the
+    compiled capture does not apply, and the steps equal the eager ones."""
+    from pergrad._src.capture import torch_compiled
+    from pergrad._src.capture.torch_plan import ownership
+
+    steps = batches()
+    expected = dp_updates(make_model(), steps)
+    model, _ = compiled_layers("aot_eager")
+    got = dp_updates(model, steps)
+    assert in_graphs == []  # (not a torch.compile(model))
+    for a, b in zip(got[-1], expected[-1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    whole = torch.compile(compiled_layers("aot_eager")[0], backend="aot_eager")
+    owners = ownership(whole, dict(whole.named_parameters()), {})
+    assert "compiled on its own" in torch_compiled.why_not(whole, owners)
+    layers = {name: "linear" for name in ("_orig_mod.0", "_orig_mod.3")}
+    assert "compiled on its own" in torch_compiled.describe(whole, layers, run_alone=False)
+    plain = compiled_whole("aot_eager")[0]
+    assert "whole graphs" in torch_compiled.describe(plain, layers, run_alone=False)
+    assert "run alone" in torch_compiled.describe(plain, layers, run_alone=True)
+    assert torch_compiled.describe(make_model(), {"0": "linear"}, run_alone=False) is None
 
 
 def inductor_or_skip() -> None:
@@ -206,14 +420,17 @@ def inductor_or_skip() -> None:
 
 
 @pytest.mark.slow(reason="inductor compiles C++ kernels for each graph: about 20-60 s on 2 cores")
-def test_dp_step_of_an_inductor_compiled_model_equals_the_eager_one() -> None:
+def test_dp_steps_of_an_inductor_compiled_model_equal_the_eager_ones(in_graphs: list[bool]) -> None:
     inductor_or_skip()
-    expected = dp_update(make_model(), "ghost")
+    steps = batches()
+    expected = dp_updates(make_model(), steps)
     compiled, _ = compiled_whole("inductor")
-    got = dp_update(compiled, "ghost")
-    for a, b in zip(got, expected):
-        # inductor may fuse and reorder float64 arithmetic: close, not bit-equal
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    got = dp_updates(compiled, steps)
+    assert in_graphs == [False, True, True]
+    for got_step, expected_step in zip(got, expected):
+        for a, b in zip(got_step, expected_step):
+            # inductor may fuse and reorder float64 arithmetic: close, not bit-equal
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.slow(reason="the benchmark's quick run compiles 3 models with aot_eager: ~30 s")

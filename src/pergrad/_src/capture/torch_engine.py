@@ -107,7 +107,7 @@ def capturing(
         plain = recorded is None
         if recorded is None:
             axes = (0,) if rule is None else rule.batch_axes
-            recorded, expanded = _plain_call(name, module, args, output, batch_size, axes)
+            recorded, expanded = plain_call(name, module, args, output, batch_size, axes)
         elif not (
             recorded.inputs
             and _holds_batch(recorded.inputs[0], 0, batch_size)
@@ -155,7 +155,7 @@ def capturing(
             handle.remove()
 
 
-def _plain_call(
+def plain_call(
     name: str,
     module: nn.Module,
     args: tuple[Any, ...],

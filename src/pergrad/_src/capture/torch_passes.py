@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_quantities, torch_verify
+from pergrad._src.capture import torch_checks, torch_compiled, torch_quantities, torch_verify
 from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_session import (
     CapturedPass,
@@ -37,6 +37,7 @@ from pergrad._src.core.module_loss import ModuleLoss
 from pergrad._src.errors import Unsupported
 
 
+@torch_compiled.eager_until_checked
 def capture(
     spec: Spec,
     call: Call,
@@ -58,7 +59,8 @@ def capture(
     pass of :func:`second_pass`, whose first run checks its rows through that graph; otherwise
     a first run's row check runs the batch once before, weighted
     (``torch_verify.weighted_run``), so that no backward pass retains its graph."""
-    session = forward(spec, call, loss, layers)
+    # (a compiled model's whole-graph capture: later runs of a checked layout, one pass)
+    session = forward(spec, call, loss, layers, compiled=not (low_memory or retain))
     key = torch_checks.layout_key(
         session.params, [x for xs in call.leaves[1:] for x in xs], call.batch_size
     )

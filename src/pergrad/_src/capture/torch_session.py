@@ -15,6 +15,9 @@ recorded input or output, or a small lookup table's weight (:func:`_light_target
 recorded output that cannot be a light target is let go as soon as its call returns
 (:func:`_outputs_let_go`). :func:`when_complete` arms the records so that a layer's output
 gradients are reduced, and dropped, in the tensor hook of its last call (the low-memory mode).
+A ``torch.compile(model)`` whose layout is checked is run in whole graphs instead
+(``torch_compiled.py``): the same records, and its light targets are the probes at the layers'
+outputs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_generic, torch_position_bias
+from pergrad._src.capture import (
+    torch_checks,
+    torch_compiled,
+    torch_generic,
+    torch_position_bias,
+)
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import (
     LayerRecord,
@@ -141,9 +149,13 @@ def _drop(grad: torch.Tensor) -> None:
     """A gradient slot's watch that drops what it is given."""
 
 
-def forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) -> CapturedPass:
+def forward(
+    spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str], compiled: bool = False
+) -> CapturedPass:
     """The batched forward pass with every layer of ``layers`` (module name -> rule, as
-    ``torch_plan.plan`` gives) hooked, and the per-example losses."""
+    ``torch_plan.plan`` gives) hooked, and the per-example losses. ``compiled``: a
+    ``torch.compile`` d model may be captured in whole graphs (``torch_compiled.capture``;
+    its records give only the output gradients and inputs: no weight gradient follows)."""
     model = loss.model
     refuse_batch_mixing_layers(model, spec.func_name)
     batch_size = call.batch_size
@@ -161,15 +173,26 @@ def forward(spec: Spec, call: Call, loss: ModuleLoss, layers: dict[str, str]) ->
     ] + [params[weight] for weight in owners.tables.values()]  # a table: buckets x heads numbers
     rng = call.backend.rng_state()
     with torch.enable_grad():
-        with (
-            capturing(owners.modules, batch_size) as records,
-            _outputs_let_go(owners, params, records),
-            torch_generic.capturing_units(owners.units, batch_size) as unit_records,
-            torch_position_bias.capturing(model, list(owners.tables), batch_size) as bias_records,
-        ):
-            output = loss.forward(params, inputs)
+        # a torch.compile'd model, its layout checked: the records from whole graphs
+        in_graphs = torch_compiled.capture(loss, owners, call, params, inputs) if compiled else None
+        if in_graphs is not None:
+            output, records = in_graphs.output, in_graphs.records
+            unit_records, bias_records = {}, {}
+        else:
+            with (
+                capturing(owners.modules, batch_size) as records,
+                _outputs_let_go(owners, params, records),
+                torch_generic.capturing_units(owners.units, batch_size) as unit_records,
+                torch_position_bias.capturing(
+                    model, list(owners.tables), batch_size
+                ) as bias_records,
+            ):
+                output = loss.forward(params, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
-    light = _light_targets(owners, records, params) + unit_light
+    if in_graphs is not None:  # the probes' gradients are the output gradients
+        light = in_graphs.probes
+    else:
+        light = _light_targets(owners, records, params) + unit_light
     for layer_records in records.values():
         for record in layer_records:  # the output is the graph's now (or a light target): an
             record.output = record.light_input = None  # LM head's logits are freed early

@@ -95,6 +95,7 @@ from typing import Any
 
 from pergrad._src.capture import (
     cost,
+    torch_compiled,
     torch_passes,
     torch_probe,
     torch_quantities,
@@ -156,6 +157,9 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
     routes = {layer: norm_route(request.fn.model, layer, rule) for layer, rule in layers.items()}
+    compiled = torch_compiled.describe(request.fn.model, layers, run_alone=found.generic_size > 0)
+    if compiled is not None:
+        why += f"; {compiled}"
     costs = None if forced or name != "ghost" else _route_costs(request, found)
     if isinstance(costs, cost.RouteCosts) and costs.materialize_is_cheaper():
         why = f"materialising the per-example gradients is cheaper: {costs.describe()}"
