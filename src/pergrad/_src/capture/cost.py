@@ -360,8 +360,9 @@ class RouteCosts(NamedTuple):
     def describe(self) -> str:
         """The comparison in words, for ``StrategyChoice.reason``."""
         memory = (
-            f"; faster, materialising would hold about {MATERIALIZED_MEMORY * self.numbers:,} "
-            f"numbers, {MATERIALIZED_MEMORY * self.numbers / max(self.held, 1):.1f}x what the "
+            f"; materialising, estimated faster, would hold about "
+            f"{MATERIALIZED_MEMORY * self.numbers:,} numbers, "
+            f"{MATERIALIZED_MEMORY * self.numbers / max(self.held, 1):.1f}x what the "
             f"ghost norms hold ({self.held:,.0f}) and past {FREE_FORMED_NUMBERS:,}: ghost by "
             f"memory (strategy='materialize' takes it anyway)"
             if self.materialize < self.ghost and self.materialize_holds_more()

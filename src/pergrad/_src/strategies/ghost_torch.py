@@ -166,7 +166,8 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
         choice = StrategyChoice("materialize", why, request.chunk_size, layers, norm_routes=routes)
         return Assessment(name, False, why, choice)
     if isinstance(costs, cost.RouteCosts):
-        why += f"; the ghost norms are cheaper: {costs.describe()}"
+        better = "hold less memory" if costs.materialize < costs.ghost else "are cheaper"
+        why += f"; the ghost norms {better}: {costs.describe()}"
     elif costs:
         why += f"; {costs}"
     return Assessment(name, True, why, StrategyChoice(name, why, None, layers, norm_routes=routes))
