@@ -56,8 +56,10 @@ What the hooks cannot see, and how it is handled:
   strategy, as above;
 - where the batch is. A layer is hooked only if axis 0 of its input and output has the batch
   size, but a size is not a layout (a time-first layer with ``T == B``, a table shared by the
-  batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``:
-  the arguments' shapes, batch size included) establishes it: every hooked output gradient must
+  batch with ``T == B`` rows), so the first run of each layout (``torch_checks.layout_key``
+  and ``records_signature``: the arguments' and the records' shapes, each dimension equal to
+  the batch size marked, so that one check covers every batch size and a coincidence such as
+  ``T == B`` is checked again) establishes it: every hooked output gradient must
   be row-local (the backward pass of the losses weighted per example, compared row by row with
   the plain pass's: ``torch_verify.weighted_run`` runs the batch once before the plain pass
   for it and keeps only summaries of its rows, so that no backward pass retains its graph and

@@ -20,7 +20,8 @@ It is only used when it is right, and checked while it runs:
   (``"auto"`` then loops). Once a layout has passed its checks, its later calls differentiate
   only the hooked layers' outputs (no weight gradient is computed: a third of a training
   step's work), as the ghost strategy does;
-- on the first call of each layout (the arguments' shapes, batch size included), each hooked
+- on the first call of each layout (the arguments' and the records' shapes, each dimension
+  equal to the batch size marked: ``torch_checks.records_signature``), each hooked
   layer's output gradient must be row-local (``capture/torch_checks.py``: a second, weighted
   backward pass), so a layer that has the batch size on axis 0 without holding the batch there
   (time-first with ``T == B``) is refused; and the first 64 examples are run alone (forward
