@@ -337,3 +337,37 @@ def test_dp_optimizer_is_silent_when_the_strategy_is_named_or_ghost(strategy):
     model, batch, _ = problem("root")
     stats, caught = dp_steps(model, batch, steps=2, strategy=strategy)
     assert [s.strategy for s in stats] == [strategy] * 2 and not caught
+
+
+class LinearOfItsOwn(nn.Module):
+    """A weight used through ``F.linear`` by a module with no rule: run alone as a unit, its
+    matrix product is one autocast lowers to bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.3 * torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def test_bare_parameters_under_bfloat16_autocast_keep_the_ghost_norms():
+    """Under ``torch.autocast(bfloat16)`` a unit run alone and the batched pass round
+    differently (~1e-2): their sum check allows for it (it refused such units before, and
+    "auto" took the chunked strategy). The norms are the float32 loop's to bfloat16 accuracy,
+    and every example's contribution to the clipped sum stays within the bound."""
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Linear(6, 8), LinearOfItsOwn(), nn.Tanh(), nn.Flatten(), nn.Linear(40, 5)
+    )
+    x, y = torch.randn(BATCH, 5, 6), torch.randint(0, 5, (BATCH,))
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    params = loss.params()
+    want = torch_module_loop_grads(model, F.cross_entropy, [x], [y])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norms = pergrad.norms.per_example_norms_of(loss, params, x, y, strategy="ghost")
+        max_norm = 0.5 * float(norms.min())  # every example clipped
+        clipped = pergrad.dp.clipped_sum_of(loss, params, x, y, max_norm=max_norm, strategy="ghost")
+    np.testing.assert_allclose(norms.double().numpy(), flat_norms(want), rtol=5e-2)
+    total = torch.cat([v.detach().double().flatten() for v in clipped.sum.values()])
+    assert float(total.norm()) <= BATCH * max_norm * (1 + 1e-5)

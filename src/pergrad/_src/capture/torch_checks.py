@@ -75,8 +75,9 @@ TOLERANCES = {
     # ghost: the slack of |sum_i g_i|^2 <= B sum_i |g_i|^2 for rounding (under autocast, the
     # norms come from the records and the batch gradient was rounded) (torch_verify)
     "norms_consistency": Tolerance(1e-3, 1e-3, 3e-2),
-    # generic units: sum_i g_i against the batch gradient (torch_generic)
-    "unit_sum": Tolerance(1e-3, 1e-3, 1e-3),
+    # generic units: sum_i g_i against the batch gradient (torch_generic); a unit taken along
+    # the wrong axis is off by O(1), bfloat16's rounding of the two by ~1e-2
+    "unit_sum": Tolerance(1e-3, 1e-3, 3e-2),
 }
 
 # How many examples the first call runs alone: enough to catch a model output split along the

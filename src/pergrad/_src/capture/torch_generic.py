@@ -40,7 +40,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.capture.rules import rule_for
-from pergrad._src.capture.torch_checks import TOLERANCES, GradientSlot, rows_match
+from pergrad._src.capture.torch_checks import (
+    TOLERANCES,
+    GradientSlot,
+    checked_dtype,
+    rows_match,
+)
 from pergrad._src.errors import Unsupported
 
 
@@ -171,7 +176,8 @@ def check_sums(
         if expected is None:
             continue
         error = torch.linalg.vector_norm(grads.sum(0) - expected)
-        tolerance = TOLERANCES["unit_sum"].of(expected.dtype)
+        # (under autocast both come from bfloat16 / float16 arithmetic, whatever their dtype)
+        tolerance = TOLERANCES["unit_sum"].of(checked_dtype(expected))
         if error > tolerance * torch.linalg.vector_norm(expected) + 1e-12:
             raise Unsupported(
                 f"the per-example gradients of layer {unit_name!r} (run alone, without a ghost "
