@@ -448,3 +448,36 @@ def test_user_level_steps_as_in_one_process(workers):
 if __name__ == "__main__":
     world_size_arg, rank_arg, store_arg, out_arg = sys.argv[1:]
     worker(int(world_size_arg), int(rank_arg), store_arg, out_arg)
+
+
+def test_the_units_sum_check_runs_once_per_layout_across_batch_sizes(monkeypatch):
+    """In one process (no FSDP needed: ``fsdp_units`` runs on the records alone): the formed
+    per-example gradients equal the loop's at every batch size, and the sum check against the
+    unit's batch gradient (one more pass of the unit) runs on the first batch only, as in the
+    single-process route: Poisson batches do not pay it at every step."""
+    from _reference import torch_module_loop_grads
+    from pergrad._src.capture.torch_plan import GENERIC, ownership
+    from pergrad._src.torch import fsdp_units
+
+    checks: list[str] = []
+    original = fsdp_units.check_sums
+    monkeypatch.setattr(
+        fsdp_units, "check_sums", lambda unit, *a: (checks.append(unit), original(unit, *a))
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(Embeddings(), nn.Flatten(), nn.Linear((PATCHES + 1) * WIDTH, CLASSES))
+    params = dict(model.named_parameters())
+    layers = {"0": GENERIC, "0.patch": "linear", "2": "linear"}
+    owners = ownership(model, params, layers)
+    for size in (7, 9, 3):  # (no size of another axis: 4, 5, 6, 8 would be checked again)
+        x, y = torch.randn(size, PATCHES, PATCH), torch.randint(0, CLASSES, (size,))
+        with fsdp_units.capturing_units(owners.units, size) as capture:
+            total = F.cross_entropy(model(x), y, reduction="sum")
+            torch.autograd.grad(total, capture.targets)
+        dtypes = {name: p.dtype for name, p in params.items()}
+        grads = fsdp_units.formed_gradients(owners, capture, size, dtypes)
+        want = torch_module_loop_grads(model, F.cross_entropy, [x], [y])
+        assert set(grads) == {"0.cls_token", "0.pos_embed"}  # (the patch layer has a rule)
+        for name, value in grads.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-6)
+    assert checks == ["0"]

@@ -23,14 +23,17 @@ rounding. (Run alone in bfloat16, their sum would be another rounding of the bat
 than the batched pass's, past the check's tolerance.)
 
 Checks (as the single-process route's, ``torch_generic.py``): each example's slice run alone
-must reproduce its row of the unit's batched output, and the per-example gradients must add up
-to the unit's batch gradient (the unit run once more on the whole batch); else the step is
-refused on every process (``fsdp_checks.agree``), never reduced along the wrong axis.
+must reproduce its row of the unit's batched output, and, on the first step of each layout of
+the unit's calls (``torch_checks.records_signature``: their shapes with the batch size marked),
+the per-example gradients must add up to the unit's batch gradient (the unit run once more on
+the whole batch); else the step is refused on every process (``fsdp_checks.agree``), never
+reduced along the wrong axis.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,9 +43,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from pergrad._src.capture import torch_checks
 from pergrad._src.capture.torch_generic import UnitCall, check_sums, per_example
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.errors import Unsupported, is_pergrad_error
+
+# unit module -> the signatures (torch_checks.records_signature) of the calls whose per-example
+# gradients passed the sum check; weakly held, as the checked layouts are on the losses
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[Any]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -146,10 +154,16 @@ def formed_gradients(
         values = {rel: _widened(v) for rel, v in capture.values[unit].items()}
         params = {rel: values[rel] for rel in names}
         constants = {rel: v for rel, v in values.items() if rel not in names}
+        # the sum check once per layout of the unit's calls (as in one process): the batch
+        # size marked, so Poisson batches do not run the unit on the batch once more each step
+        signature = torch_checks.records_signature({unit: calls}, batch_size)
+        checked = _CHECKED.setdefault(module, set())
         try:
             with torch.autocast(calls[0].output.device.type, enabled=False):
                 grads = per_example(module, params, calls, batch_size, constants)
-                check_sums(unit, grads, _batch_gradients(module, params, constants, calls))
+                if signature not in checked:
+                    check_sums(unit, grads, _batch_gradients(module, params, constants, calls))
+                    checked.add(signature)
         except Unsupported as err:
             raise Unsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
         except Exception as err:
