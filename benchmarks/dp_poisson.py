@@ -31,6 +31,7 @@ import contextlib
 import copy
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,9 @@ def run_model(kind: str, steps: int, quick: bool, seed: int) -> list[dict]:
                 order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
                     before = counted[0]
-                    start = _now()
+                    start = time.perf_counter()
                     methods[name](size)
-                    times[name].append(_now() - start)
+                    times[name].append(time.perf_counter() - start)
                     checks[name] += counted[0] > before
         # three sizes no step drew (before the fix, each was a new layout)
         unseen = [n for n in range(expected + 1, 4 * expected) if n not in sizes][:3]
@@ -172,12 +173,6 @@ def _counting_checks() -> Any:
         yield counted
     finally:
         torch_checks.check_losses_alone = original
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 def _flops_per_example(call: Any, sizes: list[int], fixed: int) -> float:

@@ -284,15 +284,18 @@ def test_tied_weights_get_the_sum_of_both_uses():
     assert not torch.allclose(want["embed.weight"], only_lookup)
 
 
+class Sneaky(nn.Module):
+    """A parameter used outside its layer too: the hooks' sum check fails on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x) + F.linear(x, self.fc.weight)
+
+
 def test_hooks_refuse_a_parameter_used_outside_its_layer():
-    class Sneaky(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(5, 3)
-
-        def forward(self, x):
-            return self.fc(x) + F.linear(x, self.fc.weight)
-
     torch.manual_seed(3)
     model = Sneaky()
     X, Y = data(3)
@@ -349,14 +352,6 @@ def test_auto_takes_vmap_quietly_where_the_hooks_fail_their_checks():
     """The hooks are tried ahead of vmap for speed only: a parameter used outside its layer
     fails their first-call check, and vmap (as fast as before the hooks came first) takes the
     call without a warning; the reason says why, and later calls start from vmap."""
-
-    class Sneaky(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(5, 3)
-
-        def forward(self, x):
-            return self.fc(x) + F.linear(x, self.fc.weight)
 
     torch.manual_seed(3)
     model = Sneaky()

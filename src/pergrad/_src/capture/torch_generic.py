@@ -46,7 +46,7 @@ from pergrad._src.capture.torch_checks import (
     checked_dtype,
     rows_match,
 )
-from pergrad._src.errors import Unsupported
+from pergrad._src.errors import Unsupported, is_pergrad_error
 
 
 def find_unit(model: nn.Module, owner: str) -> str | None:
@@ -109,6 +109,23 @@ def capturing_units(
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def running_alone(unit: str, module: nn.Module) -> Iterator[None]:
+    """Around a unit's run alone: its refusal (:class:`Unsupported`) named after the unit, and
+    any other error of the framework's (torch.func cannot vectorise it) as a refusal too."""
+    try:
+        yield
+    except Unsupported as err:
+        raise Unsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
+    except Exception as err:
+        if is_pergrad_error(err):
+            raise
+        raise Unsupported(
+            f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
+            f"could not vectorise it alone ({type(err).__name__}: {err})"
+        ) from err
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

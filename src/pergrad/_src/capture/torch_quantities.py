@@ -47,7 +47,6 @@ from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_layers import LayerCall  # importing it registers the rules
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.capture.torch_session import CapturedPass
-from pergrad._src.errors import Unsupported, is_pergrad_error
 
 # [(weights (B,), indices of the leaves they weight)]: the leaves that share one weight array
 WeightGroups = list[tuple[Any, list[int]]]
@@ -323,19 +322,10 @@ def formed_gradients(session: CapturedPass) -> dict[str, torch.Tensor]:
         names = owners.unit_parameters[unit]
         unit_params = {rel: session.params[full].detach() for rel, full in names.items()}
         constants = _unit_constants(session, unit, module, set(names.values()))
-        try:
+        with torch_generic.running_alone(unit, module):
             grads = torch_generic.per_example(
                 module, unit_params, session.unit_records[unit], batch_size, constants
             )
-        except Unsupported as err:
-            raise Unsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
-        except Exception as err:
-            if is_pergrad_error(err):
-                raise
-            raise Unsupported(
-                f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
-                f"could not vectorise it alone ({type(err).__name__}: {err})"
-            ) from err
         result.update({names[rel]: g.detach() for rel, g in grads.items()})
     for table, weight in owners.tables.items():
         result[weight] = torch_position_bias.per_example(

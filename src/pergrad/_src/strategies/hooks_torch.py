@@ -281,36 +281,13 @@ def _one_pass(
     params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
     rng = call.backend.rng_state()
+    arguments = (spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size)
     try:
-        losses, records, batch_grads = _forward_backward(
-            spec,
-            loss,
-            params,
-            diff,
-            modules,
-            inputs,
-            targets,
-            target_dims,
-            batch_size,
-            verify,
-            observe,
-        )
+        losses, records, batch_grads = _forward_backward(*arguments, verify, observe)
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
-        losses, records, batch_grads = _forward_backward_own(
-            spec,
-            loss,
-            params,
-            diff,
-            modules,
-            inputs,
-            targets,
-            target_dims,
-            batch_size,
-            verify,
-            observe,
-        )
+        losses, records, batch_grads = _forward_backward_own(*arguments, verify, observe)
     if spec.randomness in (None, "error") and call.backend.rng_state_changed(rng):
         raise PergradValueError(
             f"{spec.func_name}: fn draws random numbers (e.g. dropout). Pass "

@@ -44,9 +44,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.capture import torch_checks
-from pergrad._src.capture.torch_generic import UnitCall, check_sums, per_example
+from pergrad._src.capture.torch_generic import (
+    UnitCall,
+    check_sums,
+    per_example,
+    running_alone,
+)
 from pergrad._src.capture.torch_plan import Ownership
-from pergrad._src.errors import Unsupported, is_pergrad_error
 
 # unit module -> the signatures (torch_checks.records_signature) of the calls whose per-example
 # gradients passed the sum check; weakly held, as the checked layouts are on the losses
@@ -158,21 +162,14 @@ def formed_gradients(
         # size marked, so Poisson batches do not run the unit on the batch once more each step
         signature = torch_checks.records_signature({unit: calls}, batch_size)
         checked = _CHECKED.setdefault(module, set())
-        try:
-            with torch.autocast(calls[0].output.device.type, enabled=False):
-                grads = per_example(module, params, calls, batch_size, constants)
-                if signature not in checked:
-                    check_sums(unit, grads, _batch_gradients(module, params, constants, calls))
-                    checked.add(signature)
-        except Unsupported as err:
-            raise Unsupported(f"layer {unit!r} ({type(module).__name__}): {err}") from err
-        except Exception as err:
-            if is_pergrad_error(err):
-                raise
-            raise Unsupported(
-                f"layer {unit!r} ({type(module).__name__}) has no ghost rule and torch.func "
-                f"could not vectorise it alone ({type(err).__name__}: {err})"
-            ) from err
+        with (
+            running_alone(unit, module),
+            torch.autocast(calls[0].output.device.type, enabled=False),
+        ):
+            grads = per_example(module, params, calls, batch_size, constants)
+            if signature not in checked:
+                check_sums(unit, grads, _batch_gradients(module, params, constants, calls))
+                checked.add(signature)
         for rel, grad in grads.items():
             result[names[rel]] = grad.detach().to(dtypes[names[rel]])
     return result
