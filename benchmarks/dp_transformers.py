@@ -71,6 +71,9 @@ PERGRAD = {"pergrad DP": "auto", "pergrad low-memory": "ghost-lowmem"}  # method
 # --float64-norms adds this method: pergrad's DP step with the norms of before issue 36 (the
 # Gram route in float64, no rounding bound: capture/cost.FAST_NORMS off during its steps)
 FLOAT64_NORMS = "pergrad DP, float64 norms"
+# --records-held adds this method: pergrad's DP step with every layer's records held to the end
+# of the backward pass, as before the held per-example gradients (capture/cost.HOLD_FORMED off)
+RECORDS_HELD = "pergrad DP, records held"
 BASE = "non-private"
 PRIVATE = METHODS[1:]
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
@@ -299,6 +302,9 @@ def build_step(
     elif method == FLOAT64_NORMS:
         step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
         step.call = with_float64_norms(step.call)
+    elif method == RECORDS_HELD:
+        step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
+        step.call = with_cost_flag(step.call, "HOLD_FORMED", False)
     else:
         step = opacus_step(method, model, optimizer, inputs, targets, workload, noise)
     step.model = model
@@ -937,12 +943,18 @@ def main() -> None:
         action="store_true",
         help=f"also time {FLOAT64_NORMS!r}: the ghost norms in float64 as before issue 36",
     )
+    parser.add_argument(
+        "--records-held",
+        action="store_true",
+        help=f"also time {RECORDS_HELD!r}: every layer's records held to the end of the "
+        "backward pass, none reduced to its formed per-example gradients (as before)",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown here, the plot next to it")
     args = parser.parse_args()
-    if args.float64_norms:
-        global METHODS, PRIVATE
-        METHODS = (*METHODS[:2], FLOAT64_NORMS, *METHODS[2:])
-        PRIVATE = METHODS[1:]
+    global METHODS, PRIVATE
+    extra = [FLOAT64_NORMS] * args.float64_norms + [RECORDS_HELD] * args.records_held
+    METHODS = (*METHODS[:2], *extra, *METHODS[2:])
+    PRIVATE = METHODS[1:]
     config = QUICK if args.quick else GPT2_SMALL if args.gpt2_small else FULL
     if args.quick:
         # Tiny models gain nothing from threads, and on a busy machine OpenMP's spinning

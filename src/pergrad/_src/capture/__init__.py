@@ -19,6 +19,8 @@ gradients, and the per-layer rules that reduce those records per example.
   the arming of the records for reductions in the backward pass's hooks (``when_complete``).
 - ``torch_passes.py``: the backward passes over a captured pass, in the order the checks need
   (``capture``; the low-memory mode's ``second_pass``).
+- ``torch_held.py``: the one-pass DP step's layers held as their formed per-example gradients
+  where those are smaller than their output gradients (reduced in the backward pass's hooks).
 - ``torch_quantities.py``: the per-layer reductions over a pass's records (squared norms, tied
   norms, formed per-example gradients, weighted sums, plug-in reductions).
 - ``torch_verify.py``: the first call's verification of a captured pass (row-local output

@@ -51,6 +51,11 @@ FAST_NORMS = True
 # norms (torch_quantities.squared_norms); False: each where it arises, as before, for a
 # benchmark's baseline (benchmarks/dp_step_profile.py --legacy-syncs; read at each call).
 DEFERRED_READS = True
+# True: the one-pass ghost DP step reduces each layer whose per-example gradients are no more
+# numbers than its output gradients to them in the backward pass, its records dropped there
+# (capture/torch_held.py); False: every layer's records held to the end, as before, for a
+# benchmark's baseline (benchmarks/dp_transformers.py --records-held; read at each call).
+HOLD_FORMED = True
 
 # Reading on the host which examples' certified norms need float64 stalls it until an
 # accelerator has caught up: about this many float32 multiply-adds of a matrix product

@@ -492,6 +492,23 @@ def certified_sum_of_squares(squared: torch.Tensor, error: torch.Tensor, depth: 
     return cost.Certified(squared, torch.addcmul(scaled, error, twice_root, value=raised))
 
 
+def formed_squared_norms(grads: torch.Tensor) -> Any:
+    """``|g_b|^2`` of formed ``(B, *shape)`` per-example gradients, certified as the squared
+    norms of exactly these numbers (what a clipped sum of them adds, ``capture/torch_held.py``):
+    in float32 at least, summed over the last axis (a dot product), then over the one before,
+    and so on, so that each square passes through at most the sum of the axes' lengths of
+    additions (one sum over all ``p q`` numbers could take ``p q``: a bound of 1% at a
+    million)."""
+    x = grads.to(torch.promote_types(grads.dtype, torch.float32))
+    if x.dim() == 1:
+        squared, depth = x * x, 1
+    else:
+        squared, depth = torch.linalg.vecdot(x, x), sum(x.shape[1:])
+        while squared.dim() > 1:
+            squared = squared.sum(-1)
+    return certified_sum_of_squares(squared, squared.new_zeros(()), depth)
+
+
 def summed_squared_norms(terms: torch.Tensor) -> Any:
     """``|sum_t terms[b, t]|^2`` per example for ``terms (B, T, q)`` (a bias's gradient: the
     output gradients summed over positions), certified: the sum of ``T`` terms is within

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_compiled, torch_quantities, torch_verify
+from pergrad._src.capture import (
+    cost,
+    torch_checks,
+    torch_compiled,
+    torch_held,
+    torch_quantities,
+    torch_verify,
+)
 from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_session import (
     CapturedPass,
@@ -47,6 +54,7 @@ def capture(
     norms: bool = True,
     low_memory: bool = False,
     retain: bool = False,
+    hold: bool = False,
 ) -> CapturedPass:
     """The model once over the batch with every layer of ``layers`` hooked, the first run of a
     layout verified; with ``norms`` (always on a first run, whose check needs them) each
@@ -58,7 +66,10 @@ def capture(
     (``torch_checks.RowSummary``) for them. ``retain``: keep the graph for the second backward
     pass of :func:`second_pass`, whose first run checks its rows through that graph; otherwise
     a first run's row check runs the batch once before, weighted
-    (``torch_verify.weighted_run``), so that no backward pass retains its graph."""
+    (``torch_verify.weighted_run``), so that no backward pass retains its graph. ``hold`` (a
+    clipped sum follows, from the records): on a checked layout, each layer whose per-example
+    gradients are smaller than its output gradients is reduced to them in its tensor hook, its
+    records dropped (``torch_held.py``)."""
     # (a compiled model's whole-graph capture: later runs of a checked layout, one pass)
     session = forward(spec, call, loss, layers, compiled=not (low_memory or retain))
     key = torch_checks.layout_key(
@@ -77,6 +88,8 @@ def capture(
         owners = session.owners
         unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
         when_complete(unshared, session.records, _norms_in_hook(computed, session.summaries))
+    elif hold and checked and cost.FAST_NORMS and cost.HOLD_FORMED:
+        torch_held.arm(session, computed)
     # The first run of a layout differentiates every parameter, to check the norms against
     # the batch gradient; later ones only what reaches each layer's output, so the weight
     # gradients (a third of a training step's work) are never computed. (The low-memory

@@ -469,9 +469,11 @@ def add_layer_sums(
 
 def add_formed_sums(session: CapturedPass, groups: WeightGroups, sums: list[Any]) -> None:
     """The weighted sums of the formed per-example gradients (generic units, position-bias
-    tables) into ``sums``, examples of weight 0 zeroed first."""
+    tables, the layers held as them: ``session.held``) into ``sums``, examples of weight 0
+    zeroed first."""
+    formed = {**session.unit_grads, **session.held}
     for weights, leaves in groups:
-        for name, grads in session.unit_grads.items():
+        for name, grads in formed.items():
             k = session.index_of(name)
             if k not in leaves:
                 continue

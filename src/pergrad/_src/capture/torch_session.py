@@ -82,6 +82,8 @@ class CapturedPass:
       rng: the backend's random-number state before the forward pass.
       unit_grads: name in ``params`` -> ``(B, *shape)`` per-example gradients of the generic
         units' parameters and the position-bias tables.
+      held: name in ``params`` -> ``(B, *shape)`` per-example gradients of the layers reduced to
+        them in the backward pass, their records dropped there (``torch_held.py``).
       squared: per leaf ``(B,)`` squared norms, or None when not asked for.
       summaries: ``id(record) -> torch_checks.RowSummary`` of the output gradients dropped
         after their layer was reduced (the low-memory mode): the row check and the second
@@ -101,6 +103,7 @@ class CapturedPass:
     light: list[torch.Tensor]
     rng: Any
     unit_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
     squared: list[Any] | None = None
     summaries: dict[int, torch_checks.RowSummary] = field(default_factory=dict)
     pending_key: Any = None

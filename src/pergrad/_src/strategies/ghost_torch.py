@@ -220,7 +220,10 @@ def ghost(
         found.squared = torch_users.user_squared_norms(found, rows)
         return _reduce(loss, found, weights_from, low_memory=False, always_clean=True)
     retain = low_memory and weights_from is not None
-    found = torch_passes.capture(spec, call, loss, layers, low_memory=low_memory, retain=retain)
+    hold = weights_from is not None and not low_memory  # (a clipped sum from the records)
+    found = torch_passes.capture(
+        spec, call, loss, layers, low_memory=low_memory, retain=retain, hold=hold
+    )
     return _reduce(loss, found, weights_from, low_memory)
 
 

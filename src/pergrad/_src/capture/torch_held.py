@@ -1,0 +1,87 @@
+"""Layers reduced to their formed per-example gradients during the backward pass, where those
+are smaller than the layer's output gradients (the one-pass ghost mode's DP step).
+
+The one-pass mode holds each hooked layer's inputs and output gradients from the backward pass
+until every layer's norm is known, then forms the clipped sum from them
+(``torch_quantities.weighted_sums``): ``B T (p + q)`` numbers held per dense layer, and, where
+its norms took the formed route, the products of its weight gradient computed twice. Where a
+layer's per-example gradients (``B`` times its parameter count: ``B p q`` for a dense layer) are
+no more numbers than its output gradients (``B T q``: long sequences over narrow layers,
+convolutions, norm layers), this module has the layer's rule form them (``per_example``) in the
+tensor hook where its last output gradient arrives, takes the layer's squared norms from them
+(certified: ``torch_norms.formed_squared_norms``) and drops its records there, so that its
+inputs are autograd's alone again, freed once its backward node has run. The clipped sum adds
+the held gradients with the clip weights (``torch_quantities.add_formed_sums``): ``B p q``
+multiply-adds instead of the ``B T p q`` of a weight gradient. Each example's contribution is
+the formed gradient its norm was taken from, so the clip bound holds of what is summed, however
+forming it rounded.
+
+Only on a layout whose first-call checks have passed (:func:`arm`'s caller), for layers that
+share no parameter and whose every parameter is differentiated (a frozen weight's gradient
+would be formed for nothing). A layer whose rule fails here keeps its records and is reduced
+after the pass as in the one-pass mode, which raises the error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pergrad._src.capture import torch_norms
+from pergrad._src.capture.rules import layer_parameters, rule_for
+from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
+from pergrad._src.capture.torch_plan import Ownership
+from pergrad._src.capture.torch_session import CapturedPass, CompleteFn, when_complete
+
+
+def arm(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> None:
+    """Arm the backward pass that follows: each candidate layer whose formed per-example
+    gradients are no larger than its output gradients is reduced to them in its tensor hook
+    (into ``session.held``, its norms into ``computed``) and its records dropped."""
+    owners = session.owners
+    candidates = {
+        name: module
+        for name, module in owners.modules.items()
+        if name not in owners.sharing and _all_differentiated(owners, name, module)
+    }
+    when_complete(candidates, session.records, _held_if_smaller(session, computed))
+
+
+def _all_differentiated(owners: Ownership, module_name: str, module: nn.Module) -> bool:
+    params = layer_parameters(module)
+    return bool(params) and all(
+        owners.name_in_params(module_name, name) is not None for name, _ in params
+    )
+
+
+def formed_numbers(module: nn.Module, batch_size: int) -> int:
+    """How many numbers the layer's formed per-example gradients take: ``B`` times its
+    parameter count."""
+    return batch_size * sum(p.numel() for _, p in layer_parameters(module))
+
+
+def _held_if_smaller(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> CompleteFn:
+    def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
+        calls = layer_calls(module_name, layer_records)
+        if not calls:
+            return False
+        held = sum(c.output_grad.numel() for c in calls if c.output_grad is not None)
+        if formed_numbers(module, session.batch_size) > held:
+            return False
+        grads = rule_for(module).per_example(module, calls)
+        norms = {attr: torch_norms.formed_squared_norms(g) for attr, g in grads.items()}
+        named = dict(session.owners.named(module_name, grads))
+        # all at once, nothing before: a failure above leaves the layer to the one-pass mode
+        computed[module_name] = norms
+        session.held.update({name: g.detach() for name, g in named.items()})
+        for r in layer_records:  # the inputs are autograd's alone now
+            r.inputs, r.input_versions = (), ()
+        return True
+
+    return complete
+
+
+def held_numbers(session: CapturedPass) -> int:
+    """How many numbers the held per-example gradients take (benchmarks, tests)."""
+    return sum(g.numel() for g in session.held.values())

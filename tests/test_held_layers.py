@@ -1,0 +1,156 @@
+"""Layers held as their formed per-example gradients in the one-pass ghost DP step (issue 36).
+
+Where a layer's per-example gradients (``B`` times its parameter count) are no more numbers
+than its output gradients (long sequences over narrow layers, norm layers), the ghost step
+forms them in the layer's tensor hook, takes the layer's norms from them and drops its records
+there (``capture/torch_held.py``); the clipped sum adds them with the clip weights. The clipped
+sums must equal those of per-example gradients formed by a loop of ordinary backward passes,
+and each example must stay within the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch ghost strategy")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pergrad  # noqa: E402
+from _reference import torch_module_loop_grads  # noqa: E402
+from pergrad._src.capture import torch_held  # noqa: E402
+from pergrad._src.dp.from_loss import clipped_sum_of  # noqa: E402
+
+TOKENS = 12
+
+
+class Narrow(nn.Module):
+    """Over 12 tokens: ``wide`` (16 x 16 + 16 = 272 numbers per example against 12 x 16 = 192
+    output gradients) and ``down`` (68 against 48) keep their records; the norm layer (32
+    against 192), ``small`` (20 against 48) and ``head`` (15 against 36) are held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.down = nn.Linear(16, 4)
+        self.small = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.wide(x)))
+        return self.head(torch.tanh(self.small(torch.tanh(self.down(h)))))
+
+
+HELD = {"norm", "small", "head"}
+
+
+def token_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, 3), labels.reshape(-1))
+
+
+def batch(size: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    x = 3.0 * torch.randn(size, TOKENS, 16, generator=generator)
+    labels = torch.randint(0, 3, (size, TOKENS), generator=generator)
+    return x, labels
+
+
+def reference(model, x, labels, max_norm):
+    grads = torch_module_loop_grads(model, token_loss, [x], [labels])
+    norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
+    factors = (max_norm / norms).clamp(max=1.0)
+    sums = {k: torch.tensordot(factors, g.double(), dims=1) for k, g in grads.items()}
+    return sums, norms
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """The captured passes the held path was armed on."""
+    armed = []
+    arm = torch_held.arm
+
+    def spying(session, computed):
+        armed.append(session)
+        arm(session, computed)
+
+    monkeypatch.setattr(torch_held, "arm", spying)
+    return armed
+
+
+def held_layers(session) -> set[str]:
+    return {name.rsplit(".", 1)[0] for name in session.held}
+
+
+def test_held_layers_give_the_loops_clipped_sum(sessions):
+    torch.manual_seed(0)
+    model = Narrow()
+    loss = pergrad.module_loss(model, token_loss)
+    params = loss.params()
+    x, labels = batch(6)
+    first = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
+    assert sessions == []  # the first call of a layout runs its checks on the records
+    got = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
+    (session,) = sessions
+    assert held_layers(session) == HELD
+    for name in HELD:  # their records were dropped in the backward pass
+        assert all(r.inputs == () and r.output_grad is None for r in session.records[name])
+    assert torch_held.held_numbers(session) <= sum(
+        6 * TOKENS * model.get_submodule(name).weight.shape[0] for name in HELD
+    )
+    want, norms = reference(model, x, labels, 0.3)
+    assert (norms > 0.3).sum() >= 3  # most examples are clipped
+    torch.testing.assert_close(got.norms.double(), norms, rtol=1e-5, atol=1e-6)
+    for name, value in want.items():
+        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(first.sum[name], got.sum[name], rtol=1e-5, atol=1e-6)
+
+
+def test_each_held_example_stays_within_the_bound(sessions):
+    torch.manual_seed(1)
+    model = Narrow()
+    loss = pergrad.module_loss(model, token_loss)
+    params = loss.params()
+    max_norm = 1e-3  # far below every example's norm
+    x, labels = batch(5, seed=2)
+    clipped_sum_of(loss, params, x, labels, max_norm=max_norm, strategy="ghost")
+    for k in range(5):  # each example alone, at the batch's layout (checked above)
+        one = clipped_sum_of(
+            loss,
+            params,
+            x,
+            labels,
+            max_norm=max_norm,
+            strategy="ghost",
+            mask=(torch.arange(5) == k),
+        )
+        total = torch.sqrt(sum(v.double().pow(2).sum() for v in one.sum.values()))
+        assert total <= max_norm * (1 + 1e-6)
+    assert held_layers(sessions[-1]) == HELD
+
+
+def test_a_layer_with_a_frozen_parameter_keeps_its_records(sessions):
+    torch.manual_seed(2)
+    model = Narrow()
+    model.head.bias.requires_grad_(False)  # its weight's gradient only: nothing to hold
+    loss = pergrad.module_loss(model, token_loss)
+    params = loss.params()
+    x, labels = batch(4, seed=3)
+    clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
+    got = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
+    assert held_layers(sessions[-1]) == HELD - {"head"}
+    want, _ = reference(model, x, labels, 0.3)
+    assert set(got.sum) == set(want) - {"head.bias"}
+    for name in got.sum:
+        torch.testing.assert_close(got.sum[name].double(), want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_norms_alone_hold_nothing(sessions):
+    model = Narrow()
+    loss = pergrad.module_loss(model, token_loss)
+    params = loss.params()
+    x, labels = batch(4)
+    for _ in range(2):
+        pergrad.norms.per_example_norms_of(loss, params, x, labels, strategy="ghost")
+    assert sessions == []
