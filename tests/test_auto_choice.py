@@ -238,10 +238,11 @@ def test_route_costs_compare_within_the_memory_budget():
     assert too_big.ghost > too_big.materialize and not too_big.materialize_is_cheaper()
 
 
-def test_route_costs_weigh_memory_past_the_free_budget():
+def test_route_costs_weigh_memory_past_the_free_budget(monkeypatch):
     """Materialising faster, but holding more than the ghost norms and past
     ``FREE_FORMED_NUMBERS``: the ghost norms, by memory, and the reason says so; within either
-    bound, materialising."""
+    bound, materialising. A layer whose output gradients outnumber its per-example gradients
+    is held as those (``cost.HOLD_FORMED``): no more than materialising's."""
     layer = LayerWork("formed", 4, (64, 16), 1, 1040)  # holds 4 x 16 per example
     # B x P past the free budget: 2 B P against B x 64 held
     batch = cost.FREE_FORMED_NUMBERS // 1040 + 1
@@ -249,9 +250,15 @@ def test_route_costs_weigh_memory_past_the_free_budget():
     assert past.held == batch * 4 * 16
     assert past.materialize < past.ghost and not past.materialize_is_cheaper()
     assert "ghost by memory" in past.describe()
-    # a layer holding more than materialising would: materialising
+    # a layer whose output gradients are more than materialising would hold: held as its
+    # per-example gradients (1040 numbers), so still ghost by memory; with its records held
+    # (as before HOLD_FORMED), materialising
     wide = LayerWork("formed", 196, (64, 16), 1, 1040)  # 196 x 16 > 2 x 1040 per example
+    held = cost.route_costs(batch, 1040, [wide])
+    assert held.held == batch * 1040 and not held.materialize_is_cheaper()
+    monkeypatch.setattr(cost, "HOLD_FORMED", False)
     assert cost.route_costs(batch, 1040, [wide]).materialize_is_cheaper()
+    monkeypatch.undo()
     # under the free budget, whatever the ghost norms hold
     small = cost.route_costs(1024, 1040, [layer])
     assert cost.MATERIALIZED_MEMORY * small.numbers <= cost.FREE_FORMED_NUMBERS

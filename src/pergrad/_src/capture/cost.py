@@ -332,13 +332,16 @@ MATERIALIZED_MEMORY = 2
 
 
 def layer_held_numbers(layer: LayerWork) -> float:
-    """Numbers per example the ghost pass holds for one layer call: its output gradient (or,
-    for a generic unit, its formed per-example gradient)."""
+    """Numbers per example the ghost pass holds for one layer call: its output gradient, or
+    its formed per-example gradient where that is smaller (``HOLD_FORMED``: the DP step holds
+    that instead, ``capture/torch_held.py``; a generic unit's is always formed)."""
     if layer.kind == "light":
-        return float(layer.widths[0])
-    if len(layer.widths) == 2:
-        return float(layer.groups * layer.positions * layer.widths[1])
-    return float(layer.numbers)
+        output = layer.widths[0]
+    elif len(layer.widths) == 2:
+        output = layer.groups * layer.positions * layer.widths[1]
+    else:
+        return float(layer.numbers)
+    return float(min(output, layer.numbers) if HOLD_FORMED else output)
 
 
 class RouteCosts(NamedTuple):
