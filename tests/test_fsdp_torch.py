@@ -104,15 +104,16 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Scaled(nn.Module):
-    """A learnable scale of the model itself: no layer rule owns it."""
+    """A learnable scale and no layer with a ghost rule: no part of the model can form its
+    per-example gradients (beside a rule's layer, ``self.scale * self.fc(x)`` is read off the
+    forward pass: ``test_fsdp_torch_root_params.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(20, 10)
         self.scale = nn.Parameter(torch.ones(1))  # (fully_shard refuses 0-d parameters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * self.fc(x)
+        return self.scale * x[:, :10]
 
 
 def make_data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,9 +46,11 @@ from pergrad._src.errors import PergradTypeError, PergradValueError
 SHARDED_HINT = (
     "DPOptimizer on an FSDP2 model (fully_shard) takes, in this version, models whose "
     "trainable parameters belong to layers with a ghost rule (Linear, Conv1d/2d, Embedding, "
-    "norm layers, ...) or to modules that hold no fully_shard'ed module (a class token, a "
+    "norm layers, ...), to modules that hold no fully_shard'ed module (a class token, a "
     "LayerScale's gamma: their per-example gradients formed, the module run alone over the "
-    "examples), tied only where pergrad has a cross rule (an embedding and a linear head, two "
+    "examples) or, beside fully_shard'ed modules, parameters used row by row (x + pos_embed, "
+    "cls_token.expand(B, -1, -1): their per-example gradients read off the forward pass), "
+    "tied only where pergrad has a cross rule (an embedding and a linear head, two "
     "embeddings), on a 1-D mesh"
 )
 
@@ -204,11 +206,11 @@ def _layer_rules(
 def _unit_rules(func_name: str, model: nn.Module, orphans: list[str]) -> dict[str, str]:
     """Unit name -> ``"generic"`` for the generic units (``capture/torch_generic.find_unit``)
     that form the per-example gradients of the trainable parameters ``orphans``, which no
-    layer with a rule uses (``fsdp_units.py``); refuses a parameter with no unit, a parameter
-    used under two names, and a unit that is or holds an FSDP2 module (run alone, it would run
-    FSDP's collectives inside ``vmap``, and gather all of its parameters on each process)."""
-    from torch.distributed.fsdp import FSDPModule
-
+    layer with a rule uses (``fsdp_units.py``); refuses a parameter with no unit and a
+    parameter used under two names. A unit that is, or holds, an FSDP2 module cannot run alone
+    (FSDP's collectives would run inside ``vmap``): its parameters' per-example gradients are
+    read off the forward pass where each use is row by row, and the step refuses any other use
+    (``fsdp_broadcast.py``), which only the forward pass shows."""
     names_of: dict[int, list[str]] = {}
     for full, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(full)
@@ -229,30 +231,8 @@ def _unit_rules(func_name: str, model: nn.Module, orphans: list[str]) -> dict[st
                 f"{func_name}: parameter {name!r}, which no layer with a ghost rule uses, is "
                 f"also the model's {aliases[1:]} (tied weights); {SHARDED_HINT}."
             )
-        sharded = [
-            sub or "<root>"
-            for sub, module in model.named_modules()
-            if isinstance(module, FSDPModule) and _within(sub, unit)
-        ]
-        if sharded:
-            where = f"module {unit!r}" if unit else "the model itself"
-            raise PergradValueError(
-                f"{func_name}: the trainable parameter(s) {[name]} belong to no layer with a "
-                f"ghost rule; their per-example gradients come from running {where} "
-                f"({type(model.get_submodule(unit)).__name__}) alone over the examples, but "
-                f"it holds the FSDP2 module(s) {sharded[:3]} (fully_shard), whose collectives "
-                f"cannot run per example. Move such parameters into a submodule of their own "
-                f"that is not fully_shard'ed and holds no fully_shard'ed module (e.g. a ViT's "
-                f"cls_token and pos_embed into the module of its patch embedding), or freeze "
-                f"them (requires_grad_(False)); {SHARDED_HINT}."
-            )
         units[unit] = GENERIC
     return units
-
-
-def _within(module_name: str, unit: str) -> bool:
-    """Whether module ``module_name`` is ``unit`` or one of its submodules."""
-    return unit == "" or module_name == unit or module_name.startswith(f"{unit}.")
 
 
 def agreed_batch(

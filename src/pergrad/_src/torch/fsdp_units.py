@@ -12,8 +12,10 @@ What FSDP2 changes: a unit's parameters are whole only while the FSDP module abo
 forward pass gathers them, and frees them after). So the unit's forward hook clones them at its
 first call of the pass (:func:`capturing_units`: the unit's parameters, held until the
 gradients are formed), and the unit runs alone on those clones. A unit that is, or holds, an
-FSDP2 module is refused at construction (``fsdp_checks.py``): run alone, it would run FSDP's
-collectives inside ``vmap``.
+FSDP2 module cannot run alone (it would run FSDP's collectives inside ``vmap``): its parameters'
+per-example gradients are read off the forward pass instead, where each of their uses is row by
+row (``x + pos_embed``, ``cls_token.expand(B, -1, -1)``: ``fsdp_broadcast.py``), and the step is
+refused otherwise.
 
 Low-precision passes (FSDP's ``param_dtype``, ``torch.autocast``): the unit runs alone in
 float32 (autocast off), on float32 copies of its clones, arguments and output gradients, and
@@ -51,6 +53,7 @@ from pergrad._src.capture.torch_generic import (
     running_alone,
 )
 from pergrad._src.capture.torch_plan import Ownership
+from pergrad._src.torch import fsdp_broadcast
 
 # unit module -> the signatures (torch_checks.records_signature) of the calls whose per-example
 # gradients passed the sum check; weakly held, as the checked layouts are on the losses
@@ -72,6 +75,8 @@ class UnitCapture:
         still sharded at its call); raised once the processes agree.
       rounding: unit name -> the autocast dtype its first call ran under (None: no autocast):
         the precision its outputs carry, for the rows check.
+      uses: the uses read off the forward pass of the parameters of the units that are, or
+        hold, an FSDP2 module (``fsdp_broadcast.py``; those units have no ``calls``).
     """
 
     calls: dict[str, list[UnitCall]]
@@ -79,22 +84,31 @@ class UnitCapture:
     targets: list[torch.Tensor] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     rounding: dict[str, torch.dtype | None] = field(default_factory=dict)
+    uses: fsdp_broadcast.UseCapture | None = None
 
 
 @contextmanager
 def capturing_units(units: dict[str, nn.Module], batch_size: int) -> Iterator[UnitCapture]:
     """Forward hooks on ``units`` that keep each call's arguments, its output and its output's
-    gradient, and clone the unit's parameters at its first call. A call that cannot be taken
-    is noted in ``problems``, never raised: the other processes are in FSDP's forward pass."""
-    capture = UnitCapture({name: [] for name in units})
+    gradient, and clone the unit's parameters at its first call; the uses of the parameters of
+    the units that are, or hold, an FSDP2 module read instead (``fsdp_broadcast.reading_uses``).
+    A call or a use that cannot be taken is noted in ``problems``, never raised: the other
+    processes are in FSDP's forward pass."""
+    sharded = {name: m for name, m in units.items() if fsdp_broadcast.holds_sharded(m)}
+    alone = {name: m for name, m in units.items() if name not in sharded}
+    capture = UnitCapture({name: [] for name in alone})
     handles = [
         module.register_forward_hook(
             functools.partial(_hook, capture, batch_size, name), with_kwargs=True
         )
-        for name, module in units.items()
+        for name, module in alone.items()
     ]
     try:
-        yield capture
+        with fsdp_broadcast.reading_uses(
+            sharded, batch_size, capture.targets, capture.problems
+        ) as uses:
+            capture.uses = uses
+            yield capture
     finally:
         for handle in handles:
             handle.remove()
@@ -145,9 +159,18 @@ def formed_gradients(
     ``dtypes[name]``, the shards' dtype), for this process's examples; none for a unit whose
     output did not reach the loss (its parameters' gradients are zero). Raises
     :class:`Unsupported` where a unit cannot be run alone or fails the checks (module
-    docstring)."""
+    docstring), or where the gradients read off the forward pass do not add up
+    (``fsdp_broadcast.read_off``). The hooks of the reading go first, the backward pass done."""
+    if capture.uses is not None:
+        fsdp_broadcast.release(capture.uses)  # (the backward pass ran)
     result = {}
     for unit, module in owners.units.items():
+        if capture.uses is not None and unit in capture.uses.parameters:
+            if batch_size:
+                names = owners.unit_parameters[unit]
+                for rel, grad in fsdp_broadcast.read_off(capture.uses, unit, batch_size).items():
+                    result[names[rel]] = grad.to(dtypes[names[rel]])
+            continue
         rounding = capture.rounding.get(unit)
         calls = [
             _widened_call(c, rounding) for c in capture.calls[unit] if c.output_grad is not None
