@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,9 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
     train(model, optimizer, data, world_size, rank)
     seen["frozen"] = gathered(model)
 
+    # What the norm pass holds: spied on, one step with examples on every rank.
+    seen["held"] = held_in_the_passes(world_size, rank, data)
+
     # What this version refuses, by name.
     seen["refused"] = refusals(world_size)
 
@@ -309,6 +313,47 @@ def worker(world_size: int, rank: int, store: str, out: str) -> None:
         seen["transformer"] = gathered(model)
 
     leave_gloo(seen, out, rank)
+
+
+def held_in_the_passes(world_size: int, rank: int, data: Any) -> dict[str, Any]:
+    """One step with spies: by layer, whether each call's output (weakly referenced before
+    the norm pass's backward pass) is alive when the last layer's norms are computed in that
+    pass, and whether each call's recorded inputs are alive when the weighted pass begins."""
+    from pergrad._src.torch import fsdp
+
+    outputs: dict[str, list[Any]] = {}
+    inputs: dict[str, list[Any]] = {}
+    held: dict[str, Any] = {}
+    targets, norms, weighted = fsdp._backward_targets, fsdp._norms_in_hook, fsdp._weighted_backward
+
+    def targets_spy(total: Any, records: dict[str, list[Any]], unit_targets: Any) -> Any:
+        for name, layer_records in records.items():
+            outputs[name] = [weakref.ref(r.output) for r in layer_records if r.hooked]
+            inputs[name] = [weakref.ref(x) for r in layer_records for x in r.inputs]
+        return targets(total, records, unit_targets)
+
+    def norms_spy(computed: Any, name: str, layer: Any, records: Any) -> bool:
+        if name == "2":
+            held["outputs"] = {n: [r() is not None for r in refs] for n, refs in outputs.items()}
+        return norms(computed, name, layer, records)
+
+    def weighted_spy(*args: Any, **kwargs: Any) -> Any:
+        held["inputs"] = {n: [r() is not None for r in refs] for n, refs in inputs.items()}
+        return weighted(*args, **kwargs)
+
+    fsdp._backward_targets, fsdp._norms_in_hook = targets_spy, norms_spy
+    fsdp._weighted_backward = weighted_spy
+    try:
+        model = make_mlp()
+        shard(model, [model[0], model[2]])
+        optimizer = dp_optimizer(model, noise_multiplier=0.0, distributed=True)
+        rows = [rank, rank + world_size]
+        optimizer.step(data[0][rows], data[1][rows])
+    finally:
+        fsdp._backward_targets, fsdp._norms_in_hook = targets, norms
+        fsdp._weighted_backward = weighted
+    held["params"] = gathered(model)
+    return held
 
 
 def refusals(world_size: int) -> dict[str, str]:
@@ -531,6 +576,24 @@ def test_frozen_parameters_stay_and_the_adapter_trains_as_in_one_process(workers
         assert_params_equal(got, expected)
         assert torch.equal(got["base.weight"], initial["base.weight"])
         assert not torch.equal(got["down.weight"], initial["down.weight"])
+
+
+def test_the_norm_pass_lets_go_of_the_logits_and_its_records_before_the_next_pass(workers):
+    """The norm pass differentiates the first layer's output only (the last layer's output
+    leads to it): the last layer's output, the logits, is freed before its norms are computed
+    in the backward pass, not held through it; the records (each layer's inputs) are freed
+    before the weighted pass, not held by the norm pass's graph; and the step is the
+    single-process step on the union of the examples."""
+    world_size, seen = workers
+    rows = [i for rank in range(world_size) for i in (rank, rank + world_size)]
+    model = make_mlp()
+    dp_optimizer(model, noise_multiplier=0.0).step(*(x[rows] for x in make_data()))
+    for rank in range(world_size):
+        held = seen[rank]["held"]
+        assert held["outputs"] == {"0": [True], "2": [False]}, held["outputs"]
+        # (layer 0's input is the step's argument, held by the caller)
+        assert held["inputs"]["2"] == [False], held["inputs"]
+        assert_params_equal(held["params"], dict(model.named_parameters()))
 
 
 def test_what_is_not_supported_is_refused_by_name(workers):

@@ -11,6 +11,12 @@ Each process holds ``1/N`` of every parameter and its own examples. One step:
    reduce-scatter), fills each layer's output gradients. A process sees the whole layer's
    inputs and output gradients for its own examples, unsharded, so each layer's rule gives
    the complete per-example squared norms of its own examples without any communication.
+   The pass differentiates only the outputs that no other output leads to (GPT-2's two
+   embeddings'): the others' gradients arrive on the way, and nothing holds the LM head's
+   logits through the pass, nor every layer's output gradient to its end; the losses leave
+   the pass without its graph, whose hooks would hold every layer's inputs through step 2.
+   The step's peak memory is the non-private FSDP2 step's (a 4-layer GPT-2, vocabulary 8192,
+   on 2 and 4 processes: 1.01x, ``benchmarks/fsdp_memory.py``).
 2. **Clipped sum** (Lee & Kifer 2021): a second forward pass and the ordinary ``backward()``
    of ``sum_i w_i loss_i``, ``w_i`` the clip weights; FSDP's own reduce-scatter then leaves in
    each process's ``.grad`` its shard of the sum over all processes' examples. FSDP averages
@@ -32,11 +38,14 @@ Each process holds ``1/N`` of every parameter and its own examples. One step:
 LayerScale's ``gamma``, a weight used through ``F.linear``): their generic unit (as in one
 process, ``capture/torch_generic.py``) is hooked in the norm pass, its parameters cloned at its
 call (FSDP frees them after), and run alone over this process's examples after the backward
-pass (``fsdp_units.py``): their ``(B, *shape)`` per-example gradients, complete on each process,
-add their squared norms (formed in float32: exact as a materialised gradient's) to each
-example's; the weighted backward pass covers their clipped sum, and from the records each
-process adds ``sum_i w_i g_i`` of them, all-reduced like the others. Tied weights (GPT-2's
-embedding as its output projection, both layers in one FSDP group) add the cross terms of
+pass (``fsdp_units.py``); a unit that is, or holds, an FSDP2 module (timm's ``pos_embed`` and
+``cls_token`` on the root) is not run: its parameters' gradients are read off the forward pass
+where each use is row by row (``fsdp_broadcast.py``). Their ``(B, *shape)`` per-example
+gradients, complete on each process, add their squared norms (formed in float32: exact as a
+materialised gradient's) to each example's; the weighted backward pass covers their clipped
+sum, and from the records each process adds ``sum_i w_i g_i`` of them, all-reduced like the
+others. Tied weights (GPT-2's embedding as its output projection, both layers in one FSDP
+group) add the cross terms of
 ``capture/torch_tied.py`` to their norms. **Mixed precision**
 (``MixedPrecisionPolicy`` with a low ``param_dtype`` or ``reduce_dtype``, or ``torch.autocast``):
 a bfloat16 backward pass would round each weighted gradient after its norm was bounded, so step
@@ -56,9 +65,9 @@ and backward passes, after the norms), for one all-reduce of one number per micr
 than the step needs anyway; the model is left as it was and the next step runs normally.
 
 What this slice refuses (:func:`check_sharded_model`, with the reason): a parameter outside
-every layer with a ghost rule whose unit is or holds an FSDP2 module (run alone, it would run
-FSDP's collectives inside ``vmap``: a bare parameter of the root), a unit that mixes the
-examples or whose output is not batched on axis 0 (at the step, on every process), a tie
+every layer with a ghost rule, whose unit is or holds an FSDP2 module, used other than row by
+row (``F.linear`` on a weight of the root), a unit that mixes the examples or whose output is
+not batched on axis 0 (these at the step, on every process), a tie
 between layers with no cross rule, a parameter left out of every ``fully_shard``, a 2-D (HSDP)
 mesh, a noise mechanism other than independent Gaussian noise and the correlated noise of
 :mod:`pergrad._src.dp.correlated` (a mechanism of one's own has no recursion to run shard by
@@ -166,11 +175,17 @@ def clipped_sum_run(
     # all (users' norms).
     low_memory = user_ids is None and sharded.low_precision is None and not autocast
     low_precision = sharded.low_precision is not None or autocast
-    losses, session, computed, from_records, units = _norm_pass(
+    losses, session, computed, from_records, units, missed = _norm_pass(
         sharded, loss, inputs, targets, batch_size, low_memory, low_precision
     )
     problem: Exception | None = None
     try:  # (a layer whose norms failed in the backward pass fails here again)
+        if missed:  # (never seen: _backward_targets's reasoning failed; no norm is left out)
+            raise PergradValueError(
+                f"{func_name}: on an FSDP2 model, the norm pass's backward pass did not reach "
+                f"the outputs of layers {missed}, which lead to the loss: their norms are not "
+                f"known, and the step is refused. Please report this, with the model."
+            )
         dtypes = {name: session.params[name].dtype for name in session.params}
         session.unit_grads = formed_gradients(session.owners, units, batch_size, dtypes)
         del units  # (the units' records and parameters' clones)
@@ -254,20 +269,23 @@ def _norm_pass(
     batch_size: int,
     low_memory: bool,
     low_precision: bool,
-) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]], bool, UnitCapture]:
-    """The per-example losses, every layer's records, output gradients filled, as a
+) -> tuple[torch.Tensor, CapturedPass, dict[str, dict[str, Any]], bool, UnitCapture, list[str]]:
+    """The per-example losses (detached), every layer's records, output gradients filled, as a
     :class:`~pergrad._src.capture.torch_session.CapturedPass` whose parameters are stand-ins
     (the reductions read their names, shapes and dtypes only; the rules read the records), the
     norms computed in the pass, whether the clipped sum comes from the records
     (``low_precision`` on some process, or some layer's output below float32 on one), and the
-    generic units' calls and parameters (``fsdp_units.py``), their output gradients filled.
+    generic units' calls and parameters (``fsdp_units.py``), their output gradients filled,
+    and the layers whose calls the backward pass should have reached and did not (none: the
+    caller raises otherwise).
 
     Between the forward and the backward pass, which both run FSDP's collectives, the
     processes agree (``fsdp_checks.agree``, one all-reduce) on whether the per-example losses
     failed on one of them and on where the sum comes from. ``low_memory`` (unless from the
     records): each layer's norms as soon as its output gradients are in (each layer that
     shares no parameter), which are then dropped; a rule that fails there, in the backward
-    pass, is met again by the caller after the pass."""
+    pass, is met again by the caller after the pass. The backward pass differentiates only
+    the outputs the others lead to (:func:`_backward_targets`)."""
     owners = sharded.owners
     computed: dict[str, dict[str, Any]] = {}
     device = _device(sharded)
@@ -300,16 +318,26 @@ def _norm_pass(
         if low_memory and not from_records:
             unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
             when_complete(unshared, records, functools.partial(_norms_in_hook, computed))
-        for layer_records in records.values():
-            for record in layer_records:
-                record.light_input = None
-        if outputs:
-            # the outputs only: no weight gradient, so FSDP reduce-scatters nothing. Run on
-            # an empty batch too: FSDP gathers each layer's weights again in this pass, a
-            # collective every process must join.
-            torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         del outputs
+        total = losses.sum()
+        grad_targets, reached_through = _backward_targets(total, records, units.targets)
+        if grad_targets:
+            # outputs only: no weight gradient, so FSDP reduce-scatters nothing. Run on an
+            # empty batch too: FSDP gathers each layer's weights again in this pass, a
+            # collective every process must join.
+            torch.autograd.grad(total, grad_targets, allow_unused=True)
+        del total, grad_targets
         units.targets.clear()
+    # without its graph: the output hooks on the graph's nodes hold the records (every
+    # layer's inputs), which would stay alive through the weighted pass
+    losses = losses.detach()
+    missed = sorted(
+        {
+            name
+            for name, record in reached_through
+            if record.output_grad is None and name not in computed
+        }
+    )
     for layer_records in records.values():
         for record in layer_records:
             record.output = None
@@ -328,9 +356,68 @@ def _norm_pass(
         losses=None,
         light=[],
         rng=None,
-        loss_values=losses.detach(),
+        loss_values=losses,
     )
-    return losses, session, computed, from_records, units
+    return losses, session, computed, from_records, units, missed
+
+
+def _backward_targets(
+    total: torch.Tensor, records: dict[str, list[Any]], unit_targets: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[tuple[str, Any]]]:
+    """What the norm pass differentiates ``total`` (the summed losses) with respect to, and
+    the recorded calls it reaches on the way, whose outputs the records let go of now.
+
+    Differentiating a tensor runs every backward node on a path from the loss to it, and a
+    recorded output's hook fires when its node runs: an output whose node leads to another
+    target's node gets its gradient on the way, without being a target. It is then neither
+    held by its record through the pass (an LM head's logits, ``B x T x vocabulary`` numbers,
+    which autograd itself does not keep) nor has its gradient returned and held to the end of
+    the pass (each target's is). The targets: the generic units' outputs, the recorded outputs
+    changed in place since their call (their hook is on the node before the change), those
+    the loss does not reach (as before: their gradient is None), and those whose node leads to
+    no other target's (for a GPT-2: the two embeddings' outputs). The engine runs the same
+    nodes as with every output a target. Returns the targets and ``(layer name, record)`` of
+    each call reached on the way (the caller checks that each got its gradient)."""
+    hooked = [(name, r) for name, rs in records.items() for r in rs if r.hooked]
+    for _, record in hooked:
+        record.light_input = None  # (the input stays in record.inputs)
+    ends = {x.grad_fn for x in unit_targets if x.grad_fn is not None}
+    ends |= {r.output.grad_fn for _, r in hooked if r.output.grad_fn is not None}
+    leads_on = _leads_to(total.grad_fn, ends)
+    reached = [
+        (name, r)
+        for name, r in hooked
+        if r.output._version == r.output_version and leads_on.get(r.output.grad_fn, False)
+    ]
+    del ends, leads_on  # (the graph's nodes: the graph is the losses' to free)
+    targets = list(unit_targets)
+    reached_ids = {id(r) for _, r in reached}
+    targets += [r.output for _, r in hooked if id(r) not in reached_ids]
+    for _, record in reached:
+        record.output = None
+    return targets, reached
+
+
+def _leads_to(root: Any, ends: set[Any]) -> dict[Any, bool]:
+    """For each backward node reachable from ``root``: whether one of its ``next_functions``,
+    or a node further down, is in ``ends``. One depth-first walk of the graph, without
+    recursion (a deep model's graph is deep). The nodes are the keys (hashed by identity,
+    held while the dictionary lives)."""
+    leads: dict[Any, bool] = {}
+    if root is None:
+        return leads
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if node in leads:
+            continue
+        children = [child for child, _ in node.next_functions if child is not None]
+        if children_done:
+            leads[node] = any(c in ends or leads.get(c, False) for c in children)
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if c not in leads)
+    return leads
 
 
 def _device(sharded: ShardedModel) -> Any:
