@@ -89,22 +89,35 @@ def linear_per_example(layer: nn.Linear, calls: list[LayerCall]) -> dict[str, to
 
 
 def _weighted_tokens(
-    calls: list[LayerCall], width_in: int, width_out: int, weights: torch.Tensor
-) -> tuple[Any, Any]:
-    """All positions of all examples as rows: inputs ``(B N, width_in)`` and output gradients
-    scaled by their example's weight ``(B N, width_out)``."""
+    calls: list[LayerCall], width_in: int, width_out: int, weights: torch.Tensor, bias: bool
+) -> tuple[Any, Any, Any]:
+    """All positions of all examples as rows, inputs ``(B N, width_in)`` and output gradients
+    ``(B N, width_out)``, the narrower of the two scaled by each row's example weight (their
+    product is the weighted sum; an LM head's vocabulary-wide output gradients are not copied
+    whole), and with ``bias`` the bias's weighted sum ``(width_out,)`` (else None)."""
     activations, output_grads = tokens(calls, width_in, width_out)
-    scaled = output_grads * weights.to(output_grads.dtype)[:, None, None]
-    return activations.reshape(-1, width_in), scaled.reshape(-1, width_out)
+    if width_in < width_out:
+        activations = activations * weights.to(activations.dtype)[:, None, None]
+        summed = (
+            torch.tensordot(weights.to(output_grads.dtype), output_grads.sum(1), dims=1)
+            if bias
+            else None
+        )
+    else:
+        output_grads = output_grads * weights.to(output_grads.dtype)[:, None, None]
+        summed = output_grads.sum((0, 1)) if bias else None
+    return activations.reshape(-1, width_in), output_grads.reshape(-1, width_out), summed
 
 
 def linear_weighted_sum(
     layer: nn.Linear, calls: list[LayerCall], weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    activations, scaled = _weighted_tokens(calls, layer.in_features, layer.out_features, weights)
-    result = {"weight": scaled.T @ activations}
-    if layer.bias is not None:
-        result["bias"] = scaled.sum(0)
+    activations, output_grads, bias = _weighted_tokens(
+        calls, layer.in_features, layer.out_features, weights, layer.bias is not None
+    )
+    result = {"weight": output_grads.T @ activations}
+    if bias is not None:
+        result["bias"] = bias
     return result
 
 
@@ -149,10 +162,12 @@ def hf_conv1d_weighted_sum(
     layer: nn.Module, calls: list[LayerCall], weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     width_in, width_out = layer.weight.shape
-    activations, scaled = _weighted_tokens(calls, width_in, width_out, weights)
-    result = {"weight": activations.T @ scaled}
-    if layer.bias is not None:
-        result["bias"] = scaled.sum(0)
+    activations, output_grads, bias = _weighted_tokens(
+        calls, width_in, width_out, weights, layer.bias is not None
+    )
+    result = {"weight": activations.T @ output_grads}
+    if bias is not None:
+        result["bias"] = bias
     return result
 
 
