@@ -2,13 +2,17 @@
 jax-privacy, as ratios to a non-private step (issue 19, the JAX side of
 ``benchmarks/dp_transformers.py``).
 
-Run:  python benchmarks/dp_transformers_jax.py [--quick] [--out PATH.md]
+Run:  python benchmarks/dp_transformers_jax.py [--quick] [--records-held] [--methods M,...]
+        [--length T] [--batch-size B] [--agreement A] [--out PATH.md]
 
 The committed results: ``python benchmarks/dp_transformers_jax.py --out
 benchmarks/results/cpu/dp_transformers_jax.md``; 13 minutes on 2 cores shared with other work
 (load average 6), most of it compiling (10-15 s for each private step, and again for the
 check below) and jax-privacy's step on the untied model (over 20 s each). To keep it there, the
-full run times 5 rounds (``--rounds``) of one batch size per model.
+full run times 5 rounds (``--rounds``) of one batch size per model. The held per-example
+gradients against the records held (issue 36), where they differ (512 tokens), in 8 minutes:
+``--length 512 --batch-size 4 --methods "pergrad ghost" --records-held --rounds 7 --agreement
+1e-3 --out benchmarks/results/cpu/dp_transformers_jax_held.md``.
 
 Three causal language models as users write them, 4 layers, width 256, 4 heads, MLP 4x width,
 pre-layer-norm, learned positions, vocabulary 8192, sequence 128, batch 16, float32:
@@ -31,6 +35,11 @@ training loop does:
   program;
 * ``pergrad optax``: the optax route: ``pergrad.per_example_grads`` into
   ``pergrad.dp.dpsgd`` (``optax_aggregate`` then ``optax.sgd``);
+* ``pergrad ghost, records held`` (with ``--records-held``): the ghost step as before issue 36's
+  held leaves: every leaf's clipped sum from its records (``capture/cost.HOLD_FORMED`` off while
+  the step is traced); ``pergrad ghost`` forms, once, the per-example gradients of each dense
+  or convolution leaf that are no more numbers than its cotangents (``T`` at least its input
+  width: ``--length``) and takes both its norms and its clipped sum from them;
 * ``vmap by hand``: what a user writes without a library: ``jax.vmap(jax.grad(loss))``, each
   example's gradient clipped by its global norm, summed, Gaussian noise, ``optax.sgd``;
 * ``jax-privacy``: ``jax_privacy.clipped_grad`` (its per-example clipping, ``vmap`` inside),
@@ -39,9 +48,11 @@ training loop does:
 
 All: ``max_norm=1``, ``noise_multiplier=1``, expected batch size = the batch, one fixed batch.
 Before timing, each private method's gradient without noise is checked against the one of
-``vmap by hand`` on the same workload (relative difference of the whole gradient, at most
-1e-4): a method that disagrees is reported, not timed. Time: every step compiled and run once
-first, then the median of ``--rounds`` interleaved rounds
+``vmap by hand`` (computed for the check when ``--methods`` leaves it out) on the same workload
+(relative difference of the whole gradient, at most ``--agreement``, 1e-4 by default: pergrad's
+certified norms clip by their rounding bound as well, which grows with the sequence, about 5e-4
+of the gradient at 512 tokens): a method that disagrees is reported, not timed. Time: every
+step compiled and run once first, then the median of ``--rounds`` interleaved rounds
 (:func:`pergrad.bench.timing.time_interleaved`); the ratio is the median of the per-round ratios
 to the non-private step. Memory, two views:
 
@@ -71,7 +82,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +102,10 @@ METHODS = (
     "jax-privacy",
 )
 BASE, REFERENCE = "non-private", "vmap by hand"
+# --records-held adds this method: pergrad's ghost step with every leaf's clipped sum taken from
+# its records, none held as its formed per-example gradients (as before: capture/cost.HOLD_FORMED
+# off while its step is traced, where ghost_jax reads it)
+RECORDS_HELD = "pergrad ghost, records held"
 PERGRAD = ("pergrad ghost", "pergrad auto", "pergrad optax")
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
 MAX_NORM, NOISE, LEARNING_RATE = 1.0, 1.0, 1e-3
@@ -260,6 +275,10 @@ def route(method: str, work: Workload, noise: float) -> Route:
     size = work.ids.shape[0]
     if method == BASE:
         return Route(lambda params, ids, key: jax.grad(work.loss)(params, ids), optax.identity())
+    if method == RECORDS_HELD:
+        taken = route("pergrad ghost", work, noise)
+        taken.gradient = with_cost_flag(taken.gradient, "HOLD_FORMED", False)
+        return taken
     if method in ("pergrad ghost", "pergrad auto"):
         strategy = "ghost" if method == "pergrad ghost" else "auto"
         choice = pergrad.norms.choose_strategy(work.loss, work.params, work.ids, strategy=strategy)
@@ -314,6 +333,23 @@ def route(method: str, work: Workload, noise: float) -> Route:
         stddev=noise * clipped_mean.sensitivity(), prng_key=0
     )
     return Route(lambda params, ids, key: clipped_mean(params, ids), privatizer)
+
+
+def with_cost_flag(fn: Callable[..., Any], name: str, value: bool) -> Callable[..., Any]:
+    """``fn`` with pergrad's ``capture/cost.<name>`` set to ``value`` while it runs (a
+    benchmark's "before" of a change that flag switches; in a jitted step, while it is
+    traced), restored after."""
+    from pergrad._src.capture import cost
+
+    def flagged(*args: Any) -> Any:
+        before = getattr(cost, name)
+        setattr(cost, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(cost, name, before)
+
+    return flagged
 
 
 def missing(method: str) -> str:
@@ -402,7 +438,7 @@ def failure(error: BaseException) -> str:
 # The jobs, each in a fresh process (pergrad.bench.child.run_in_child).
 
 
-def time_job(model: str, config: Config, rounds: int) -> dict[str, Any]:
+def time_job(model: str, config: Config, rounds: int, agreement: float) -> dict[str, Any]:
     """Every method's step on ``model``: compiled (XLA's memory view), checked against the
     hand-written step without noise, run once, then timed in interleaved rounds."""
     work = workload(model, config)
@@ -426,13 +462,14 @@ def time_job(model: str, config: Config, rounds: int) -> dict[str, Any]:
         except Exception as error:  # a method that cannot take the model is a result
             steps.pop(method, None)
             result["failed"][method] = failure(error)
-    if REFERENCE in steps:
-        grads = zero_noise_gradients([m for m in steps if m != BASE], work)
+    checked = [m for m in steps if m not in (BASE, REFERENCE)]
+    if checked or REFERENCE in steps:  # the hand-written step's gradient, timed or not
+        grads = zero_noise_gradients([*checked, REFERENCE], work)
         want = grads.pop(REFERENCE)
         for method, got in grads.items():
             difference = relative_difference(got, want)
             result["agreement"][method] = difference
-            if not difference <= AGREEMENT:
+            if not difference <= agreement:
                 steps.pop(method)
                 result["failed"][method] = (
                     f"wrong: its gradient differs from vmap by hand's by {difference:.1e}"
@@ -473,14 +510,16 @@ def job_main(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:
     """A job's process: the compilation cache shared with the other jobs, then the job."""
     import jax
 
+    global METHODS  # the driver's (--methods, --records-held), not a fresh process's default
+    METHODS = tuple(job["methods"])
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     if job["quick"]:
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # compiles faster
-    config = QUICK if job["quick"] else FULL
+    config = replace(QUICK if job["quick"] else FULL, **job["sizes"])
     if job["kind"] == "time":
-        return time_job(job["model"], config, job["rounds"])
+        return time_job(job["model"], config, job["rounds"], job["agreement"])
     try:
         return memory_job(job["model"], config, job["method"])
     except Exception as error:
@@ -494,8 +533,9 @@ def job_main(job: dict[str, Any], cache_dir: str) -> dict[str, Any]:
 def measure(model: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
     """A workload's timing job, then one memory job per method that ran (two at a time: their
     resident memory is their own, and nothing is timed meanwhile)."""
-    base = {"model": model, "quick": args.quick}
-    timed = run_job(base | {"kind": "time", "rounds": args.rounds}, cache_dir)
+    base = {"model": model, "quick": args.quick, "methods": METHODS, "sizes": sizes(args)}
+    timing = {"kind": "time", "rounds": args.rounds, "agreement": args.agreement}
+    timed = run_job(base | timing, cache_dir)
     if isinstance(timed["failed"], str):  # the job itself failed: so did every method
         timed["failed"] = dict.fromkeys(METHODS, timed["failed"])
     ran = [m for m in METHODS if m in timed.get("times_s", {})]
@@ -505,6 +545,12 @@ def measure(model: str, args: argparse.Namespace, cache_dir: str) -> dict[str, A
         }
         memory = {m: job.result() for m, job in jobs.items()}
     return {"model": model, "timed": timed, "memory": memory}
+
+
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The sizes ``--length`` and ``--batch-size`` set, over the configuration's."""
+    chosen = {"length": args.length, "batch_size": args.batch_size}
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -579,7 +625,9 @@ def goal_summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
+def what_it_shows(
+    results: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config, agreement: float
+) -> str:
     """Per model, the cheapest private step and pergrad's ghost step against the hand-written
     one; how to read the two; whether the methods compute the same step."""
     by_key = {(r["model"], r["method"]): r for r in rows}
@@ -604,6 +652,8 @@ def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], con
                 f"{fmt(temp, '.2f', 'x', missing='—')} its XLA temporary memory"
             )
         lines.append(line + ".")
+        if "pergrad ghost" in times and RECORDS_HELD in times:
+            lines.append(held_line(model, by_key, times))
     lines += [
         "- How to read it: vmap by hand forms every example's gradient (B x P numbers) with the "
         "multiplications of the batch gradient, and XLA forms them while the backward pass frees "
@@ -618,13 +668,40 @@ def what_it_shows(results: list[dict[str, Any]], rows: list[dict[str, Any]], con
         "gradients or more: the ghost strategy's advantage is memory, not time.",
         "- The same step: without noise, the relative difference of each private method's "
         "gradient from vmap by hand's, on the benchmark's own batch (methods above "
-        f"{AGREEMENT:g} are reported, not timed):",
+        f"{agreement:g} are reported, not timed):",
     ]
     for result in results:
         agreed = result["timed"].get("agreement", {})
         listed = ", ".join(f"{m} {d:.1e}" for m, d in agreed.items())
         lines.append(f"  - {result['model']}: {listed or '—'}")
     return "\n".join(lines)
+
+
+def held_line(model: str, by_key: dict[tuple[str, str], Any], times: dict[str, Any]) -> str:
+    """The held per-example gradients against the records held to the end, on one model."""
+    held, records = by_key[(model, "pergrad ghost")], by_key[(model, RECORDS_HELD)]
+
+    def ratio(key: str) -> str:
+        values = held.get(key), records.get(key)
+        return fmt(values[0] / values[1] if all(values) else None, ".2f", "x", missing="—")
+
+    def extra(row: dict[str, Any]) -> float | None:
+        return max(row["first_mib"], row["later_mib"]) if "first_mib" in row else None
+
+    memory = extra(held), extra(records)
+    memory_ratio = memory[0] / memory[1] if all(memory) else None
+    return (
+        f"  - the leaves held as their formed per-example gradients (pergrad ghost) against "
+        f"{RECORDS_HELD}: time {paired_ratio(times['pergrad ghost'], times[RECORDS_HELD]):.2f}x "
+        f"(interleaved rounds), XLA temp {ratio('temp_mib')}, extra memory "
+        f"{fmt(memory_ratio, '.2f', 'x', missing='—')}; against the non-private step, time "
+        f"{fmt(records.get('time_ratio'), '.2f', 'x', missing='—')} -> "
+        f"{fmt(held.get('time_ratio'), '.2f', 'x', missing='—')}, memory "
+        f"{fmt(records.get('memory_ratio'), '.2f', 'x', missing='—')} -> "
+        f"{fmt(held.get('memory_ratio'), '.2f', 'x', missing='—')}, XLA temp "
+        f"{fmt(records.get('temp_ratio'), '.2f', 'x', missing='—')} -> "
+        f"{fmt(held.get('temp_ratio'), '.2f', 'x', missing='—')}"
+    )
 
 
 def header(args: argparse.Namespace, config: Config) -> str:
@@ -650,15 +727,46 @@ def header(args: argparse.Namespace, config: Config) -> str:
 
 
 def main() -> None:
+    global METHODS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", help=f"only these, comma-separated: {', '.join(MODELS)}")
+    parser.add_argument(
+        "--methods",
+        help=f"only these and {BASE!r}, comma-separated: {', '.join(METHODS[1:])}",
+    )
+    parser.add_argument(
+        "--records-held",
+        action="store_true",
+        help=f"also time {RECORDS_HELD!r}: every leaf's clipped sum from its records, none "
+        "held as its formed per-example gradients (as before)",
+    )
+    parser.add_argument("--length", type=int, help=f"tokens per sequence (default {FULL.length})")
+    parser.add_argument(
+        "--batch-size", type=int, help=f"sequences per batch (default {FULL.batch_size})"
+    )
+    parser.add_argument(
+        "--agreement",
+        type=float,
+        default=AGREEMENT,
+        help=f"the largest relative difference from {REFERENCE!r}'s gradient (default "
+        f"{AGREEMENT:g}); pergrad's certified norms clip by their rounding bound too, which "
+        "grows with --length (about 5e-4 of the gradient at 512 tokens)",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown here")
     args = parser.parse_args()
     if args.quick:
         args.rounds = 2
-    config = QUICK if args.quick else FULL
+    chosen_methods = list(METHODS[1:]) if args.methods is None else args.methods.split(",")
+    unknown = sorted(set(chosen_methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS[1:])}")
+    chosen_methods = [m for m in METHODS[1:] if m in chosen_methods]
+    where = chosen_methods.index("pergrad ghost") + 1 if "pergrad ghost" in chosen_methods else 0
+    extra = [RECORDS_HELD] * args.records_held
+    METHODS = (BASE, *chosen_methods[:where], *extra, *chosen_methods[where:])
+    config = replace(QUICK if args.quick else FULL, **sizes(args))
     chosen = args.models.split(",") if args.models else list(MODELS[:1] if args.quick else MODELS)
     started = time.perf_counter()
     results, rows = [], []
@@ -667,7 +775,9 @@ def main() -> None:
             results.append(measure(model, args, cache_dir))
             rows += rows_of(results[-1])
             print(table([r for r in rows if r["model"] == model]), flush=True)
-    text = "\n\n".join([table(rows), goal_summary(rows), what_it_shows(results, rows, config)])
+    text = "\n\n".join(
+        [table(rows), goal_summary(rows), what_it_shows(results, rows, config, args.agreement)]
+    )
     print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     publish(text, args.out, lambda: header(args, config))
 

@@ -54,7 +54,8 @@ DEFERRED_READS = True
 # True: the one-pass ghost DP step reduces each layer whose per-example gradients are no more
 # numbers than its output gradients to them in the backward pass, its records dropped there
 # (capture/torch_held.py); False: every layer's records held to the end, as before, for a
-# benchmark's baseline (benchmarks/dp_transformers.py --records-held; read at each call).
+# benchmark's baseline (benchmarks/dp_transformers.py --records-held; PyTorch reads it at each
+# call, JAX when the step is traced: strategies/ghost_jax._held).
 HOLD_FORMED = True
 
 # Reading on the host which examples' certified norms need float64 stalls it until an

@@ -86,7 +86,7 @@ def per_example_squared_norms(site: Site, param: Any, inputs: Any, cotangents: A
 # reference's (g**2).sum() of the parameter-dtype per-example gradients.
 
 
-@register("linear", per_example, weighted_sum, tokens=lambda *r: linear_records(*r))
+@register("linear", per_example, weighted_sum, tokens=lambda *r: linear_records(*r), held=True)
 def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) -> Any:
     """A dense contraction: ``|A_i^T D_i|^2`` from the factors; with batch dimensions (an
     attention-style einsum over the parameter), one example at a time."""
@@ -99,7 +99,7 @@ def dense_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any) ->
     return found.astype(param.dtype)
 
 
-register("conv", per_example, weighted_sum)(per_example_squared_norms)
+register("conv", per_example, weighted_sum, held=True)(per_example_squared_norms)
 
 
 @register("embedding", per_example, weighted_sum, lookups=lambda *r: embedding_records(*r))
@@ -337,6 +337,40 @@ def _formed(a: Any, d: Any) -> cost.Certified:
     terms = (jnp.linalg.norm(a, axis=2) * jnp.linalg.norm(d, axis=2)).sum(axis=1)
     error = cost.product_error(positions, unit) * terms
     return certified_sum_of_squares(squared, error, k + f + positions, unit)
+
+
+def formed_squared_norms(grads: Any) -> cost.Certified:
+    """``|g_b|^2`` of formed ``(B, *shape)`` per-example gradients, certified as the squared
+    norms of exactly these numbers (what a clipped sum of them adds: the held leaves of
+    ``ghost_jax.py``), as ``torch_norms.formed_squared_norms``: in float32 at least, summed over
+    the last axis, then over the one before, and so on, each sum kept apart
+    (``optimization_barrier``: XLA would merge them into one), so that each square passes
+    through at most the sum of the axes' lengths of additions. Each axis is first split in two
+    where its length factors (``(256, 8192)`` summed as ``(16, 16, 128, 64)``: 224 additions,
+    not 8448, so a bound ``40x`` tighter: a vocabulary-sized output layer's came to ``5e-4``
+    of its squared norm, clipping that much below the bound). In the gradients' dtype, the
+    bound raised to cover the conversion."""
+    axes = _split_axes(grads.shape[1:])
+    squared = (_wide(grads) ** 2).reshape(grads.shape[0], *axes)
+    while squared.ndim > 2:
+        squared = jax.lax.optimization_barrier(squared.sum(axis=-1))
+    if squared.ndim == 2:
+        squared = squared.sum(axis=1)
+    unit = unit_roundoff(squared.dtype)
+    depth = max(sum(axes), 1)
+    found = certified_sum_of_squares(squared, jnp.zeros((), squared.dtype), depth, unit)
+    return _in_dtype(found, grads.dtype)
+
+
+def _split_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with each axis of length ``n`` split as ``(n / d, d)``, ``d`` the largest
+    divisor of ``n`` at most ``sqrt(n)`` (an axis of prime length stays whole): a reshape,
+    nothing copied."""
+    axes: list[int] = []
+    for n in shape:
+        d = max(k for k in range(1, math.isqrt(n) + 1) if n % k == 0) if n > 3 else 1
+        axes += [n // d, d] if d > 1 else [n]
+    return tuple(axes)
 
 
 def certified_sum_of_squares(squared: Any, error: Any, depth: int, unit: float) -> cost.Certified:

@@ -56,6 +56,11 @@ class ContractionRule:
       tokens: ``(site, param, inputs, cotangents) -> Tokens | None``, the records of a linear
         map of the weight (``quantities.py``); None: the family has no such form.
       lookups: the same for a table read by rows, ``-> Lookups | None``.
+      held: whether a clipped sum may take the family's formed per-example gradients in
+        place of its records where they are no more numbers than its cotangents (dense
+        contractions and convolutions: one formed gradient serves the norm and the sum,
+        ``ghost_jax.py``); not a lookup, whose weighted sum scatters the cotangents and whose
+        formed gradient is the size of the table.
       plugins: reductions added with :func:`register_reduction`, by name.
     """
 
@@ -65,6 +70,7 @@ class ContractionRule:
     weighted_sum: WeightedSumFn
     tokens: RecordsFn | None = None
     lookups: RecordsFn | None = None
+    held: bool = False
     plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
 
     def reduction(self, name: str) -> ReductionFn | None:
@@ -100,13 +106,15 @@ def register(
     weighted_sum: WeightedSumFn,
     tokens: RecordsFn | None = None,
     lookups: RecordsFn | None = None,
+    held: bool = False,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (with ``per_example`` and ``weighted_sum``, and the
-    records ``tokens`` / ``lookups`` if the family has them) as the rule of ``family``."""
+    records ``tokens`` / ``lookups`` if the family has them) as the rule of ``family``;
+    ``held``: :attr:`ContractionRule.held`."""
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
         _RULES[family] = ContractionRule(
-            family, squared_norms, per_example, weighted_sum, tokens, lookups
+            family, squared_norms, per_example, weighted_sum, tokens, lookups, held
         )
         return squared_norms
 

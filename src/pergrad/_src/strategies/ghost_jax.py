@@ -12,7 +12,10 @@ contraction (its *site*); a leaf with one site is a *ghost parameter*. Then (:fu
 3. the weighted sum ``sum_i w_i g_i`` that a clipped sum needs is the contraction's transpose
    applied once to the whole batch with cotangents ``w_i dz_i``: no second backward pass. An
    example of weight 0 (padding, or a gradient that is not finite) has its records zeroed
-   first (``where``; ``0 * nan`` would be nan), so it adds exactly nothing.
+   first (``where``; ``0 * nan`` would be nan), so it adds exactly nothing. Where a clipped
+   sum follows, a dense or convolution leaf whose per-example gradients are no more numbers
+   than its cotangents is instead formed once (``_held``): its norms and its weighted sum both
+   come from those numbers, its records are freed early.
 
 A table tied across uses (read by embedding lookups and by at most one dense contraction, as
 GPT-2's or flax's ``Embed.attend`` output projection) is ghosted too, its squared norm combined
@@ -138,10 +141,12 @@ def ghost(
     ``weights_from`` still gives one weight per example."""
     del spec
     found = records(call, ghost_plan)
+    # where a clipped sum follows: the leaves held as their formed per-example gradients
+    held = _held(found) if weights_from is not None and users is None else {}
     if users is not None:
         squared = _user_squared_norms(found, UserGroups.from_slots(users.slots))
     else:
-        squared = _squared_norms(found)
+        squared = _squared_norms(found, held)
     # a rule's cost.Certified norms: the estimates reported, estimate + bound clipped by
     estimates, bounds = (list(column) for column in zip(*map(cost.split, squared)))
     if all(b is None for b in bounds):
@@ -152,9 +157,11 @@ def ghost(
     weights = per_leaf_weights(weights_from(upper), len(squared))
     per_leaf = [jax.lax.stop_gradient(w) for w in weights]
     sums: list[Any] = [None] * len(squared)
-    for k, g in found.grads.items():
+    for k, g in {**found.grads, **held}.items():
         sums[k] = jnp.tensordot(per_leaf[k].astype(g.dtype), _weighted_rows(g, per_leaf[k]), 1)
     for k, site in found.sites.items():
+        if k in held:
+            continue
         w = per_leaf[k]
         inputs, cotangents = (
             _weighted_rows(found.inputs[k], w),
@@ -169,11 +176,36 @@ def ghost(
     return Reduction(estimates, sums, rounding_bounds=bounds)
 
 
-def _squared_norms(found: JaxRecords) -> list[Any]:
+def _held(found: JaxRecords) -> dict[int, Any]:
+    """Leaf -> ``(B, *leaf_shape)``: the formed per-example gradients of the single-site leaves
+    whose rule allows it (``ContractionRule.held``: dense contractions, convolutions) and whose
+    gradients are no more numbers than their cotangents (a long sequence over a narrow layer).
+    Formed once, they give the leaf's certified norms (those of exactly the numbers the clipped
+    sum adds, so each example's contribution is within the bound however forming it rounded)
+    and its weighted sum (``B p q`` multiply-adds, not the ``B T p q`` of a transpose over the
+    records, nor, on the formed norm route, a second ``A^T D``); its records are then dead, and
+    XLA frees them (``benchmarks/dp_transformers_jax.py --records-held``). Read at trace time:
+    ``cost.HOLD_FORMED`` (off: every leaf from its records, as before) and ``cost.FAST_NORMS``
+    (off: the norms of before, uncertified)."""
+    if not (cost.HOLD_FORMED and cost.FAST_NORMS):
+        return {}
+    held = {}
+    for k, site in found.sites.items():
+        rule, param, cotangents = rule_for(site), found.values[k], found.cotangents[k]
+        if rule.held and cotangents.shape[0] * math.prod(jnp.shape(param)) <= cotangents.size:
+            held[k] = rule.per_example(site, param, found.inputs[k], cotangents)
+    return held
+
+
+def _squared_norms(found: JaxRecords, held: dict[int, Any]) -> list[Any]:
     squared: list[Any] = [None] * len(found.values)
     for k, g in found.grads.items():
         squared[k] = (g.reshape(g.shape[0], -1) ** 2).sum(axis=1)
+    for k, g in held.items():
+        squared[k] = jax_contractions.formed_squared_norms(g)
     for k, site in found.sites.items():
+        if k in held:
+            continue
         squared[k] = rule_for(site).squared_norms(
             site, found.values[k], found.inputs[k], found.cotangents[k]
         )
