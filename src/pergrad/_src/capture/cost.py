@@ -211,6 +211,19 @@ def gram_limit(width_in: int, width_out: int) -> int:
     return gram_limit_for((width_in, width_out))
 
 
+def split_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with each axis of length ``n`` split as ``(n / d, d)``, ``d`` the largest
+    divisor of ``n`` at most ``sqrt(n)`` (an axis of prime length stays whole): summed one
+    axis at a time, each number passes through ``sum(split_axes(shape))`` additions at most
+    (a ``(256, 8192)`` gradient's squares through 224, not 8448: a bound 40x tighter). A
+    reshape, nothing copied."""
+    axes: list[int] = []
+    for n in shape:
+        d = max(k for k in range(1, math.isqrt(n) + 1) if n % k == 0) if n > 3 else 1
+        axes += [n // d, d] if d > 1 else [n]
+    return tuple(axes)
+
+
 def precision_name(input_unit: float) -> str:
     """The fast precision in words, from the rounding of the matrix products' inputs."""
     return {0.0: "float32", 2**-11: "TF32", 2**-8: "bfloat16"}.get(input_unit, "low precision")

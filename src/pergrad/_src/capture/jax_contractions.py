@@ -350,7 +350,7 @@ def formed_squared_norms(grads: Any) -> cost.Certified:
     not 8448, so a bound ``40x`` tighter: a vocabulary-sized output layer's came to ``5e-4``
     of its squared norm, clipping that much below the bound). In the gradients' dtype, the
     bound raised to cover the conversion."""
-    axes = _split_axes(grads.shape[1:])
+    axes = cost.split_axes(grads.shape[1:])
     squared = (_wide(grads) ** 2).reshape(grads.shape[0], *axes)
     while squared.ndim > 2:
         squared = jax.lax.optimization_barrier(squared.sum(axis=-1))
@@ -360,17 +360,6 @@ def formed_squared_norms(grads: Any) -> cost.Certified:
     depth = max(sum(axes), 1)
     found = certified_sum_of_squares(squared, jnp.zeros((), squared.dtype), depth, unit)
     return _in_dtype(found, grads.dtype)
-
-
-def _split_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` with each axis of length ``n`` split as ``(n / d, d)``, ``d`` the largest
-    divisor of ``n`` at most ``sqrt(n)`` (an axis of prime length stays whole): a reshape,
-    nothing copied."""
-    axes: list[int] = []
-    for n in shape:
-        d = max(k for k in range(1, math.isqrt(n) + 1) if n % k == 0) if n > 3 else 1
-        axes += [n // d, d] if d > 1 else [n]
-    return tuple(axes)
 
 
 def certified_sum_of_squares(squared: Any, error: Any, depth: int, unit: float) -> cost.Certified:

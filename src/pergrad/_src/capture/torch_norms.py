@@ -495,15 +495,17 @@ def certified_sum_of_squares(squared: torch.Tensor, error: torch.Tensor, depth: 
 def formed_squared_norms(grads: torch.Tensor) -> Any:
     """``|g_b|^2`` of formed ``(B, *shape)`` per-example gradients, certified as the squared
     norms of exactly these numbers (what a clipped sum of them adds, ``capture/torch_held.py``):
-    in float32 at least, summed over the last axis (a dot product), then over the one before,
-    and so on, so that each square passes through at most the sum of the axes' lengths of
+    in float32 at least, each axis split in two where its length factors
+    (``cost.split_axes``), summed over the last axis (a dot product), then over the one before,
+    and so on, so that each square passes through at most the sum of the split axes' lengths of
     additions (one sum over all ``p q`` numbers could take ``p q``: a bound of 1% at a
-    million)."""
-    x = grads.to(torch.promote_types(grads.dtype, torch.float32))
+    million; ``(256, 8192)`` goes through 224)."""
+    axes = cost.split_axes(tuple(grads.shape[1:]))
+    x = grads.to(torch.promote_types(grads.dtype, torch.float32)).reshape(grads.shape[0], *axes)
     if x.dim() == 1:
         squared, depth = x * x, 1
     else:
-        squared, depth = torch.linalg.vecdot(x, x), sum(x.shape[1:])
+        squared, depth = torch.linalg.vecdot(x, x), sum(axes)
         while squared.dim() > 1:
             squared = squared.sum(-1)
     return certified_sum_of_squares(squared, squared.new_zeros(()), depth)
