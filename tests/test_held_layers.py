@@ -71,9 +71,9 @@ def sessions(monkeypatch):
     armed = []
     arm = torch_held.arm
 
-    def spying(session, computed):
+    def spying(session, computed, first_run):
         armed.append(session)
-        arm(session, computed)
+        arm(session, computed, first_run)
 
     monkeypatch.setattr(torch_held, "arm", spying)
     return armed
@@ -90,9 +90,9 @@ def test_held_layers_give_the_loops_clipped_sum(sessions):
     params = loss.params()
     x, labels = batch(6)
     first = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
-    assert sessions == []  # the first call of a layout runs its checks on the records
+    assert held_layers(sessions[0]) == HELD  # the first call of a layout too (its checks pass)
     got = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
-    (session,) = sessions
+    session = sessions[-1]
     assert held_layers(session) == HELD
     for name in HELD:  # their records were dropped in the backward pass
         assert all(r.inputs == () and r.output_grad is None for r in session.records[name])
@@ -171,3 +171,30 @@ def test_formed_norms_are_certified_and_tight(dtype):
     assert ((found.estimate.double() - exact).abs() <= found.bound.double()).all()
     assert cost.split_axes((256, 8192)) == (16, 16, 128, 64)
     assert (found.bound <= 4 * cost.gamma(16 + 16 + 128 + 64 + 1, 2**-24) * found.estimate).all()
+
+
+def test_a_held_layer_on_a_wrong_axis_is_refused_on_its_first_call(sessions):
+    """A layer held from its first call on is still checked there: its dropped output
+    gradients' row summaries go to the row check. The time-first layer of
+    ``test_layout_batch_sizes`` (its batch on axis 1, axis 0 of the same size at ``B ==
+    STEPS``) is held (8 numbers per example against 8 output gradients): at ``B = 5`` its
+    clipped sum is the loop's; at ``B = STEPS`` the first call is refused, not summed along
+    the time steps."""
+    from test_layout_batch_sizes import STEPS, InternalTimeFirst, abs_mean
+    from test_layout_batch_sizes import batch as time_batch
+
+    torch.manual_seed(0)
+    model = InternalTimeFirst().double()
+    loss = pergrad.module_loss(model, abs_mean)
+    args = time_batch(5, 0)
+    got = clipped_sum_of(loss, loss.params(), *args, max_norm=0.01, strategy="ghost")
+    assert held_layers(sessions[-1]) == {"fc"}
+    grads = torch_module_loop_grads(model, abs_mean, args[:1], args[1:])
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+    factors = (0.01 / norms).clamp(max=1.0)
+    for name, g in grads.items():
+        torch.testing.assert_close(got.sum[name], torch.tensordot(factors, g, dims=1))
+    args = time_batch(STEPS, 1)
+    with pytest.raises(ValueError, match="strategy='ghost' cannot handle"):
+        clipped_sum_of(loss, loss.params(), *args, max_norm=0.01, strategy="ghost")
+    assert held_layers(sessions[-1]) == {"fc"}  # held, and refused by the row check

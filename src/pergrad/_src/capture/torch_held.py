@@ -16,9 +16,10 @@ multiply-adds instead of the ``B T p q`` of a weight gradient. Each example's co
 the formed gradient its norm was taken from, so the clip bound holds of what is summed, however
 forming it rounded.
 
-Only on a layout whose first-call checks have passed (:func:`arm`'s caller), for layers that
-share no parameter and whose every parameter is differentiated (a frozen weight's gradient
-would be formed for nothing). A layer whose rule fails here keeps its records and is reduced
+For layers that share no parameter and whose every parameter is differentiated (a frozen
+weight's gradient would be formed for nothing); on a layout's first run too, its row check then
+comparing the dropped output gradients' row summaries, so that the first step's peak is the
+later steps'. A layer whose rule fails here keeps its records and is reduced
 after the pass as in the one-pass mode, which raises the error.
 """
 
@@ -28,24 +29,36 @@ from typing import Any
 
 from torch import nn
 
-from pergrad._src.capture import torch_norms
+from pergrad._src.capture import torch_checks, torch_norms
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.capture.torch_session import CapturedPass, CompleteFn, when_complete
 
 
-def arm(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> None:
+def arm(session: CapturedPass, computed: dict[str, dict[str, Any]], first_run: bool) -> None:
     """Arm the backward pass that follows: each candidate layer whose formed per-example
     gradients are no larger than its output gradients is reduced to them in its tensor hook
-    (into ``session.held``, its norms into ``computed``) and its records dropped."""
+    (into ``session.held``, its norms into ``computed``) and its records dropped. On a
+    layout's ``first_run`` each dropped output gradient leaves its row summary in
+    ``session.summaries``, which the layout's row check then compares (as the low-memory
+    mode's do); the held values are used only once the checks have passed."""
     owners = session.owners
     candidates = {
         name: module
         for name, module in owners.modules.items()
         if name not in owners.sharing and _all_differentiated(owners, name, module)
     }
-    when_complete(candidates, session.records, _held_if_smaller(session, computed))
+    summaries = session.summaries if first_run else None
+    when_complete(candidates, session.records, _held_if_smaller(session, computed, summaries))
+
+
+def disarm(session: CapturedPass) -> None:
+    """After the backward pass: the records' watches let go (a layer left to the one-pass mode
+    keeps its watch, which refers to its record: a cycle the collector would have to break)."""
+    for layer_records in session.records.values():
+        for record in layer_records:
+            record.watch = None
 
 
 def _all_differentiated(owners: Ownership, module_name: str, module: nn.Module) -> bool:
@@ -61,7 +74,11 @@ def formed_numbers(module: nn.Module, batch_size: int) -> int:
     return batch_size * sum(p.numel() for _, p in layer_parameters(module))
 
 
-def _held_if_smaller(session: CapturedPass, computed: dict[str, dict[str, Any]]) -> CompleteFn:
+def _held_if_smaller(
+    session: CapturedPass,
+    computed: dict[str, dict[str, Any]],
+    summaries: dict[int, torch_checks.RowSummary] | None,
+) -> CompleteFn:
     def complete(module_name: str, module: nn.Module, layer_records: list[LayerRecord]) -> bool:
         calls = layer_calls(module_name, layer_records)
         if not calls:
@@ -75,6 +92,10 @@ def _held_if_smaller(session: CapturedPass, computed: dict[str, dict[str, Any]])
         # all at once, nothing before: a failure above leaves the layer to the one-pass mode
         computed[module_name] = norms
         session.held.update({name: g.detach() for name, g in named.items()})
+        if summaries is not None:
+            for r in layer_records:
+                if r.output_grad is not None:
+                    summaries[id(r)] = torch_checks.summarize_rows(r.output_grad)
         for r in layer_records:  # the inputs are autograd's alone now
             r.inputs, r.input_versions = (), ()
         return True

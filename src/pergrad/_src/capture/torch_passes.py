@@ -67,9 +67,9 @@ def capture(
     pass of :func:`second_pass`, whose first run checks its rows through that graph; otherwise
     a first run's row check runs the batch once before, weighted
     (``torch_verify.weighted_run``), so that no backward pass retains its graph. ``hold`` (a
-    clipped sum follows, from the records): on a checked layout, each layer whose per-example
-    gradients are smaller than its output gradients is reduced to them in its tensor hook, its
-    records dropped (``torch_held.py``)."""
+    clipped sum follows, from the records): each layer whose per-example gradients are smaller
+    than its output gradients is reduced to them in its tensor hook, its records dropped
+    (``torch_held.py``; a first run's row check compares their summaries)."""
     # (a compiled model's whole-graph capture: later runs of a checked layout, one pass)
     session = forward(spec, call, loss, layers, compiled=not (low_memory or retain))
     key = torch_checks.layout_key(
@@ -88,13 +88,15 @@ def capture(
         owners = session.owners
         unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
         when_complete(unshared, session.records, _norms_in_hook(computed, session.summaries))
-    elif hold and checked and cost.FAST_NORMS and cost.HOLD_FORMED:
-        torch_held.arm(session, computed)
+    elif hold and cost.FAST_NORMS and cost.HOLD_FORMED:
+        torch_held.arm(session, computed, first_run=not checked)
     # The first run of a layout differentiates every parameter, to check the norms against
     # the batch gradient; later ones only what reaches each layer's output, so the weight
     # gradients (a third of a training step's work) are never computed. (The low-memory
     # mode's first run leaves that to its second pass: the graph is freed along it.)
     batch = _first_backward(session, every_leaf=not (checked or retain), retain=retain)
+    if hold:
+        torch_held.disarm(session)
     # an overflowed pass (a skipped mixed-precision step) is checked on a later one
     checking = not checked and torch_checks.records_finite(session.captured(), session.summaries)
     if checking and weighted is not None:
