@@ -776,8 +776,9 @@ def notes(
         lines.append(
             "- Where pergrad's extra memory goes (a later step): the ghost step keeps each "
             "layer's output gradient and its input from the backward pass until every layer's "
-            "norm is known (one backward pass, no second one); the non-private step frees them "
-            "layer by layer:"
+            "norm is known (one backward pass, no second one), except the layers held as their "
+            "formed per-example gradients, which are fewer numbers (not counted here); the "
+            "non-private step frees them layer by layer:"
         )
     for result in held:
         mem, base = result["memory"]["pergrad DP"], result["memory"][BASE]
