@@ -116,20 +116,14 @@ def test_a_refused_call_lets_go_of_its_records_too():
     """A parameter used outside its layer fails the first call's sum check (raised under
     strategy="hooks"); its pass's outputs are freed all the same."""
 
-    class Outside(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.fc(x) + F.linear(x, self.fc.weight)
+    from test_models_in_the_wild import Sneaky  # (fc: 5 -> 3, its weight also used outside)
 
     torch.manual_seed(2)
-    model = Outside().double()
+    model = Sneaky().double()
     outputs = []
     model.fc.register_forward_hook(lambda m, a, o: outputs.append(weakref.ref(o)))
     loss = pergrad.module_loss(model, F.cross_entropy)
-    x = torch.randn(B, 4, dtype=torch.float64)
+    x = torch.randn(B, 5, dtype=torch.float64)
     y = torch.randint(0, 3, (B,))
     with pytest.raises(ValueError):
         pergrad.per_example_grads(loss, strategy="hooks")(loss.params(), x, y)

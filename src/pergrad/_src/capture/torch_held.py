@@ -83,7 +83,7 @@ def _held_if_smaller(
         calls = layer_calls(module_name, layer_records)
         if not calls:
             return False
-        held = sum(c.output_grad.numel() for c in calls if c.output_grad is not None)
+        held = sum(c.output_grad.numel() for c in calls)  # (calls: those with a gradient)
         if formed_numbers(module, session.batch_size) > held:
             return False
         grads = rule_for(module).per_example(module, calls)
@@ -101,8 +101,3 @@ def _held_if_smaller(
         return True
 
     return complete
-
-
-def held_numbers(session: CapturedPass) -> int:
-    """How many numbers the held per-example gradients take (benchmarks, tests)."""
-    return sum(g.numel() for g in session.held.values())

@@ -88,14 +88,15 @@ def capture(
         owners = session.owners
         unshared = {n: m for n, m in owners.modules.items() if n not in owners.sharing}
         when_complete(unshared, session.records, _norms_in_hook(computed, session.summaries))
-    elif hold and cost.FAST_NORMS and cost.HOLD_FORMED:
+    held = not low_memory and hold and cost.FAST_NORMS and cost.HOLD_FORMED
+    if held:
         torch_held.arm(session, computed, first_run=not checked)
     # The first run of a layout differentiates every parameter, to check the norms against
     # the batch gradient; later ones only what reaches each layer's output, so the weight
     # gradients (a third of a training step's work) are never computed. (The low-memory
     # mode's first run leaves that to its second pass: the graph is freed along it.)
     batch = _first_backward(session, every_leaf=not (checked or retain), retain=retain)
-    if hold:
+    if held:
         torch_held.disarm(session)
     # an overflowed pass (a skipped mixed-precision step) is checked on a later one
     checking = not checked and torch_checks.records_finite(session.captured(), session.summaries)
