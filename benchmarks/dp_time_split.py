@@ -195,6 +195,9 @@ def main() -> None:
     parser.add_argument("--records-held", action="store_true", help=f"also time {HELD!r}")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in WORKLOADS]
+    if unknown:
+        parser.error(f"--models: expected some of {', '.join(WORKLOADS)}, got {unknown}")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     start_load = load_average()

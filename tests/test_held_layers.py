@@ -198,3 +198,22 @@ def test_a_held_layer_on_a_wrong_axis_is_refused_on_its_first_call(sessions):
     with pytest.raises(ValueError, match="strategy='ghost' cannot handle"):
         clipped_sum_of(loss, loss.params(), *args, max_norm=0.01, strategy="ghost")
     assert held_layers(sessions[-1]) == {"fc"}  # held, and refused by the row check
+
+
+def test_an_empty_batch_between_held_steps_and_the_model_left_as_it_was(sessions):
+    """An empty batch is ordinary input on the held path too: zero sums, no norms; and no step
+    changes the model's parameters, buffers or ``.grad``."""
+    torch.manual_seed(4)
+    model = Narrow()
+    loss = pergrad.module_loss(model, token_loss)
+    params = loss.params()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for size in (4, 0, 4):
+        x, labels = batch(size, seed=size + 1)
+        got = clipped_sum_of(loss, params, x, labels, max_norm=0.3, strategy="ghost")
+        assert got.norms.shape == (size,)
+        if size == 0:
+            assert all(float(v.abs().sum()) == 0.0 for v in got.sum.values())
+    assert held_layers(sessions[-1]) == HELD
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
