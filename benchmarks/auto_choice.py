@@ -263,7 +263,7 @@ def measure(workload: Workload, quick: bool, rounds: int) -> dict[str, Any]:
     original = workload.build()
     model_size = sum(p.numel() for p in original.parameters())
     loss = pergrad.module_loss(original, F.cross_entropy)
-    choice = pergrad.norms.choose_strategy(loss, loss.params(), inputs, targets)
+    choice = pergrad.norms.choose_strategy(loss, loss.params(), inputs, targets, clipped_sum=True)
     steps: dict[str, Callable[[], None]] = {
         BASE: plain_step(copy.deepcopy(original), inputs, targets)
     }
@@ -315,7 +315,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def reasons(results: list[dict[str, Any]]) -> str:
-    lines = ["Why `auto` took its route (`choose_strategy(...).reason`):", ""]
+    lines = ["Why `auto` took its route (`choose_strategy(..., clipped_sum=True).reason`):", ""]
     for result in results:
         lines.append(f"- {result['workload'].name}: **{result['chosen']}**: {result['reason']}")
     return "\n".join(lines)
@@ -338,12 +338,67 @@ def header(args: argparse.Namespace, load_at_start: str) -> str:
     )
 
 
+def sweep(batch_sizes: list[int], rounds: int) -> str:
+    """The MNIST conv net's DP step by batch size: ghost and materialising timed side by side,
+    against the cost model's estimates of their extra work (``choose_strategy(...,
+    clipped_sum=True)``, which "auto" follows): where the measured ratio crosses 1 is where
+    the model's should."""
+    import torch
+    import torch.nn.functional as F
+
+    import pergrad
+    from pergrad._src.capture import cost, torch_held, torch_probe
+    from pergrad._src.capture.torch_plan import ownership
+
+    rows = []
+    for size in batch_sizes:
+        inputs, targets = images(size)
+        torch.manual_seed(0)
+        original = sample_conv_net()
+        loss = pergrad.module_loss(original, F.cross_entropy)
+        params = loss.params()
+        choice = pergrad.norms.choose_strategy(loss, params, inputs, targets, clipped_sum=True)
+        holdable = frozenset(
+            torch_held.candidate_layers(ownership(original, params, choice.layers))
+        )
+        works = torch_probe.layer_works(loss, choice.layers, 0, (params, inputs, targets), holdable)
+        assert not isinstance(works, str), works
+        estimate = cost.route_costs(size, sum(p.numel() for p in params.values()), works)
+        steps = {BASE: plain_step(copy.deepcopy(original), inputs, targets)}
+        for route in ("ghost", "materialize"):
+            steps[route], _ = dp_step(copy.deepcopy(original), inputs, targets, route)
+        times = time_interleaved(steps, rounds, warmup=1)
+        extra = {r: median_ms(times[r]) - median_ms(times[BASE]) for r in ("ghost", "materialize")}
+        rows.append(
+            [
+                str(size),
+                f"{median_ms(times[BASE]):.2f} ms",
+                f"{median_ms(times['ghost']):.2f} ms",
+                f"{median_ms(times['materialize']):.2f} ms",
+                f"{paired_ratio(times['ghost'], times['materialize']):.2f}",
+                f"{extra['ghost'] / max(extra['materialize'], 1e-9):.2f}",
+                f"{estimate.ghost / estimate.materialize:.2f}",
+                choice.strategy,
+            ]
+        )
+        print(rows[-1], flush=True)
+    header = ["B", BASE, "ghost", "materialize", "ghost / materialize", "extra time, ghost / "
+              "materialize", "model's extra work, ghost / materialize", "auto takes"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small batches, 2 rounds")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, help="write the markdown here")
+    parser.add_argument(
+        "--sweep",
+        type=lambda text: [int(b) for b in text.split(",")],
+        help="batch sizes (e.g. 8,16,32,64): the MNIST conv net's ghost / materialise crossover "
+        "against the cost model's, instead of the workloads",
+    )
     args = parser.parse_args()
     import torch
 
@@ -352,6 +407,10 @@ def main() -> None:
     if args.quick:
         args.rounds = 2
     load_at_start = machine.load_average()
+    if args.sweep:
+        text = sweep(args.sweep, args.rounds)
+        publish(text, args.out, lambda: header(args, load_at_start))
+        return
     results = []
     for workload in WORKLOADS:
         results.append(measure(workload, args.quick, args.rounds))

@@ -138,19 +138,60 @@ def test_the_materialised_route_gives_the_ghost_strategys_numbers():
     )
 
 
-def test_dp_optimizer_reports_the_route_it_took():
-    torch.manual_seed(0)
-    model = SampleConvNet()
+def test_a_dp_steps_choice_counts_the_layers_it_holds():
+    """A DP step holds each layer whose per-example gradients are no more numbers than its
+    output gradients as those (``capture/torch_held.py``): its norms and its share of the sum
+    cost materialising's work, the weight gradient the sum would take saved. SampleConvNet:
+    conv1 (1,040 parameters, 16 x 13 x 13 = 2,704 outputs per example) is held; conv2 (8,224
+    against 32 x 5 x 5 = 800) and the linear layers are not."""
+    from pergrad._src.capture import torch_probe
+
+    loss, args = conv_net_call(batch=64)
+    layers = pergrad.norms.choose_strategy(loss, *args).layers
+    works = torch_probe.layer_works(loss, layers, 0, args)
+    held = torch_probe.layer_works(loss, layers, 0, args, frozenset(layers))
+    assert sorted(w.kind for w in works) == ["dense", "dense", "dense", "formed"]
+    assert sorted(w.kind for w in held) == ["dense", "dense", "dense", "held"]
+    assert [w.numbers for w in held if w.kind == "held"] == [16 * 64 + 16]
+    norms_only = cost.route_costs(64, 26_010, works)
+    clipped = cost.route_costs(64, 26_010, held)
+    assert clipped.ghost < norms_only.ghost and clipped.held < norms_only.held
+    choice = pergrad.norms.choose_strategy(loss, *args, clipped_sum=True)
+    assert "1 layer(s) held" in choice.reason and "held" not in norms_choice(loss, args)
+    # a frozen bias: conv1's gradient would be formed for nothing, so it keeps its records
+    params = {k: v for k, v in args[0].items() if k != "conv1.bias"}
+    frozen = pergrad.norms.choose_strategy(loss, params, *args[1:], clipped_sum=True)
+    assert "held" not in frozen.reason
+
+
+def norms_choice(loss, args):
+    return pergrad.norms.choose_strategy(loss, *args).reason
+
+
+@pytest.mark.parametrize("batch", [16, 40, 64])
+def test_dp_optimizer_takes_the_clipped_sums_choice(batch):
+    """What ``choose_strategy(..., clipped_sum=True)`` reports is the route the DP step
+    takes (40 examples: the norms alone would materialise, the DP step's held layer makes the
+    ghost step cheaper)."""
+    loss, args = conv_net_call(batch=batch)
+    expected = pergrad.norms.choose_strategy(loss, *args, clipped_sum=True).strategy
     optimizer = pergrad.dp.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model,
+        torch.optim.SGD(loss.model.parameters(), lr=0.1),
+        loss.model,
         F.cross_entropy,
         max_norm=1.0,
         noise_multiplier=1.0,
-        expected_batch_size=16,
+        expected_batch_size=batch,
     )
-    step = optimizer.step(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
-    assert step.strategy == "materialize"
+    assert optimizer.step(*args[1:]).strategy == expected
+    if batch == 40:
+        assert expected == "ghost" and norms_choice(loss, args).startswith("materialising")
+
+
+def test_choose_strategy_names_a_bad_clipped_sum():
+    loss, args = conv_net_call(batch=4)
+    with pytest.raises(TypeError, match="clipped_sum must be True or False; got 'yes'"):
+        pergrad.norms.choose_strategy(loss, *args, clipped_sum="yes")
 
 
 class Noisy(nn.Module):
@@ -238,11 +279,11 @@ def test_route_costs_compare_within_the_memory_budget():
     assert too_big.ghost > too_big.materialize and not too_big.materialize_is_cheaper()
 
 
-def test_route_costs_weigh_memory_past_the_free_budget(monkeypatch):
+def test_route_costs_weigh_memory_past_the_free_budget():
     """Materialising faster, but holding more than the ghost norms and past
     ``FREE_FORMED_NUMBERS``: the ghost norms, by memory, and the reason says so; within either
-    bound, materialising. A layer whose output gradients outnumber its per-example gradients
-    is held as those (``cost.HOLD_FORMED``): no more than materialising's."""
+    bound, materialising. A DP step's layer whose output gradients outnumber its per-example
+    gradients is held as those (``capture/torch_held.py``): no more than materialising's."""
     layer = LayerWork("formed", 4, (64, 16), 1, 1040)  # holds 4 x 16 per example
     # B x P past the free budget: 2 B P against B x 64 held
     batch = cost.FREE_FORMED_NUMBERS // 1040 + 1
@@ -250,15 +291,15 @@ def test_route_costs_weigh_memory_past_the_free_budget(monkeypatch):
     assert past.held == batch * 4 * 16
     assert past.materialize < past.ghost and not past.materialize_is_cheaper()
     assert "ghost by memory" in past.describe()
-    # a layer whose output gradients are more than materialising would hold: held as its
-    # per-example gradients (1040 numbers), so still ghost by memory; with its records held
-    # (as before HOLD_FORMED), materialising
+    # a layer whose output gradients are more than materialising would hold: with its records
+    # held, materialising; held as its per-example gradients (a DP step's "held" layer, 1040
+    # numbers), no more than materialising's, so still ghost by memory
     wide = LayerWork("formed", 196, (64, 16), 1, 1040)  # 196 x 16 > 2 x 1040 per example
-    held = cost.route_costs(batch, 1040, [wide])
-    assert held.held == batch * 1040 and not held.materialize_is_cheaper()
-    monkeypatch.setattr(cost, "HOLD_FORMED", False)
-    assert cost.route_costs(batch, 1040, [wide]).materialize_is_cheaper()
-    monkeypatch.undo()
+    records = cost.route_costs(batch, 1040, [wide])
+    assert records.held == batch * 196 * 16 and records.materialize_is_cheaper()
+    held = cost.route_costs(batch, 1040, [LayerWork("held", 1, (), 1, 1040)])
+    assert held.held == batch * 1040 and held.held_layers == 1
+    assert not held.materialize_is_cheaper() and "1 layer(s) held" in held.describe()
     # under the free budget, whatever the ghost norms hold
     small = cost.route_costs(1024, 1040, [layer])
     assert cost.MATERIALIZED_MEMORY * small.numbers <= cost.FREE_FORMED_NUMBERS

@@ -130,8 +130,12 @@ def choose_strategy(
     in_axes: Any = "auto",
     strategy: str = "auto",
     chunk_size: int | None = None,
+    clipped_sum: bool = False,
 ) -> StrategyChoice:
-    """The :class:`StrategyChoice` that :func:`per_example_norms_of` would make for this call.
+    """The :class:`StrategyChoice` that :func:`per_example_norms_of` would make for this call
+    (``clipped_sum=True``: that :func:`pergrad.dp.clipped_sum_of` and ``DPOptimizer`` make,
+    whose ghost step may hold layers as their formed per-example gradients, which the cost
+    model then counts).
 
     Computes nothing per example; validates like the real call (a bad ``strategy`` raises the
     same error). Under ``"auto"``, a PyTorch ``module_loss`` whose per-example gradients would
@@ -145,8 +149,12 @@ def choose_strategy(
         # StrategyChoice(strategy='ghost', reason='every differentiated parameter ...',
         #                layers={'fc1': 'linear', 'fc2': 'linear'}, ...)
     """
+    if not isinstance(clipped_sum, bool):
+        raise PergradTypeError(
+            f"choose_strategy: clipped_sum must be True or False; got {clipped_sum!r}."
+        )
     _, chosen = setup_reduce_request(
-        "choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size
+        "choose_strategy", fn, args, argnums, in_axes, strategy, chunk_size, clipped_sum
     )
     assert chosen.choice is not None  # every "reduce" strategy reports its choice
     return chosen.choice
@@ -160,8 +168,10 @@ def setup_reduce_request(
     in_axes: Any,
     strategy: Any,
     chunk_size: Any,
+    clipped: bool = False,
 ) -> tuple[ReduceRequest, Assessment]:
-    """The analysed call and the registry's choice for it (``strategies/registry.py``)."""
+    """The analysed call and the registry's choice for it (``strategies/registry.py``);
+    ``clipped``: for a clipped sum (``ReduceRequest.clipped``)."""
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PergradValueError(
             f"{func_name}: strategy must be one of {list(STRATEGIES)}; got {strategy!r}."
@@ -172,7 +182,7 @@ def setup_reduce_request(
     def materialize() -> Any:
         return per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
 
-    request = ReduceRequest(spec, call, fn, args, chunk_size, materialize)
+    request = ReduceRequest(spec, call, fn, args, chunk_size, materialize, clipped=clipped)
     chosen, _ = registry.select("reduce", request, strategy)
     return request, chosen
 

@@ -273,16 +273,21 @@ def dense_route(width_in: int, width_out: int, input_unit: float = 0.0) -> str:
 # weighted sum); the ghost strategy costs each layer's norm work per example
 # (layer_norm_work) and GHOST_LAYER_COST per layer call and step (its hooks, records and the
 # bound's small kernels), whatever the batch; its weighted sum is one weight gradient, as the
-# per-example gradients' own computation is for materialising (the two cancel). Fitted to
-# Opacus's MNIST SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py, 1 thread): past the
-# batch gradient, materialising took about 0.25 ms per example, the ghost norms 0.14 ms per
-# example and 2 ms more per step, so materialising is faster below about 20-30 examples and
-# slower above (measured: 0.85x the ghost norms' time at B = 16, a tie at 32, 1.2x at 128).
-# The same constants send a small transformer over 256 tokens (B = 8, formed norms) to
-# materialising (measured 0.8-0.9x) and MLPs (closed-form norms) to the ghost norms
-# (materialising 10-40x slower): benchmarks/results/cpu/auto_choice.md.
+# per-example gradients' own computation is for materialising (the two cancel). A DP step's
+# held layers (capture/torch_held.py) cost materialising's work on their numbers instead, the
+# weight gradient their sum would take saved ("held" in LayerWork). Fitted to Opacus's MNIST
+# SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py, 1 thread): past the batch gradient,
+# materialising took about 0.15 ms per example and 1.6 ms per step, the ghost step about
+# 0.07 ms per example and 4.5 ms per step (from its B = 16 and B = 64 rows), so the ghost
+# step's fixed cost is about 2.9 ms more, 4 x GHOST_LAYER_COST at materialising's 0.15 ms for
+# its 832 k per-example numbers per example; materialising is faster below about 30 examples
+# and slower above (measured: 0.8x the ghost step's time at B = 16, a tie at 24-64, 1.1-1.2x
+# at 96-128: benchmarks/results/cpu/auto_choice_sweep.md, where the model's crossover is
+# set beside the measured one). The same constants send a small transformer over 256 tokens
+# (B = 8, formed norms) to materialising by time (measured 0.8-0.9x) and MLPs (closed-form
+# norms) to the ghost norms (materialising 10-40x slower): benchmarks/results/cpu/auto_choice.md.
 MATERIALIZED_NUMBER_COST = 32
-GHOST_LAYER_COST = 2**21
+GHOST_LAYER_COST = 2**22
 # The certified bound's own work per position and unit of width (the magnitudes |a_t|, |d_t|
 # and the bound's sums), next to the T p q of forming a gradient.
 BOUND_WORK = 4
@@ -299,8 +304,11 @@ class LayerWork(NamedTuple):
     Attributes:
       kind: ``"dense"`` (a linear map applied at ``positions``: linear layers, convolutions'
         patches), ``"formed"`` (its per-example gradient formed as materialising would:
-        a convolution with many positions, a generic unit), or ``"light"`` (elementwise rules:
-        norm layers, embeddings; work linear in the output).
+        a convolution with many positions, a generic unit), ``"light"`` (elementwise rules:
+        norm layers, embeddings; work linear in the output), or ``"held"`` (a DP step's layer
+        held as its formed per-example gradients, ``capture/torch_held.py``: its norms and
+        its share of the clipped sum are materialising's work on its ``numbers``, the weight
+        gradient its sum would otherwise take saved; one for all the layer's calls).
       positions: ``T``, positions per example (conv output positions, tokens).
       widths: ``(p, q)`` per group for ``"dense"``; ``(output numbers per example,)`` for
         ``"light"``.
@@ -319,6 +327,8 @@ def layer_norm_work(layer: LayerWork) -> float:
     """Multiply-adds per example of one layer call's ghost norms (see :func:`route_costs`)."""
     if layer.kind == "light":
         return float(math.prod(layer.widths))
+    if layer.kind == "held":  # formed as materialising would, its sum B x P multiply-adds
+        return float(MATERIALIZED_NUMBER_COST * layer.numbers)
     if layer.kind == "formed":
         dense = layer.positions * layer.numbers
         return dense + MATERIALIZED_NUMBER_COST * layer.numbers
@@ -345,17 +355,21 @@ FREE_FORMED_NUMBERS = 2**22
 MATERIALIZED_MEMORY = 2
 
 
-def layer_held_numbers(layer: LayerWork) -> float:
-    """Numbers per example the ghost pass holds for one layer call: its output gradient, or
-    its formed per-example gradient where that is smaller (``HOLD_FORMED``: the DP step holds
-    that instead, ``capture/torch_held.py``; a generic unit's is always formed)."""
+def layer_output_numbers(layer: LayerWork) -> int:
+    """Numbers per example of one layer call's output (and output gradient); a ``"held"``
+    layer's parameter numbers, which the ghost pass holds instead."""
     if layer.kind == "light":
-        output = layer.widths[0]
-    elif len(layer.widths) == 2:
-        output = layer.groups * layer.positions * layer.widths[1]
-    else:
-        return float(layer.numbers)
-    return float(min(output, layer.numbers) if HOLD_FORMED else output)
+        return layer.widths[0]
+    if len(layer.widths) == 2:
+        return layer.groups * layer.positions * layer.widths[1]
+    return layer.numbers
+
+
+def layer_held_numbers(layer: LayerWork) -> float:
+    """Numbers per example the ghost pass holds for one layer call: its output gradient; a
+    ``"held"`` layer's formed per-example gradient (``capture/torch_held.py``), and a generic
+    unit's, which is always formed."""
+    return float(layer_output_numbers(layer))
 
 
 class RouteCosts(NamedTuple):
@@ -366,6 +380,7 @@ class RouteCosts(NamedTuple):
     materialize: float
     numbers: int  # B x P, the per-example gradient numbers materialising forms
     held: float = 0.0  # the numbers the ghost pass holds (layer_held_numbers, times B)
+    held_layers: int = 0  # layers a DP step holds as their formed per-example gradients
 
     def materialize_is_cheaper(self) -> bool:
         return (
@@ -390,9 +405,14 @@ class RouteCosts(NamedTuple):
             if self.materialize < self.ghost and self.materialize_holds_more()
             else ""
         )
+        held = (
+            f" ({self.held_layers} layer(s) held as their formed per-example gradients)"
+            if self.held_layers
+            else ""
+        )
         return (
             f"estimated extra work over a batch gradient: ghost norms {self.ghost:.3g} "
-            f"multiply-adds, materialised per-example gradients {self.materialize:.3g} "
+            f"multiply-adds{held}, materialised per-example gradients {self.materialize:.3g} "
             f"({self.numbers:,} numbers, at most {MAX_FORMED_NUMBERS:,} allowed){memory}"
         )
 
@@ -406,4 +426,5 @@ def route_costs(batch_size: int, num_params: int, layers: list[LayerWork]) -> Ro
     ghost = batch_size * per_example + GHOST_LAYER_COST * len(layers)
     numbers = batch_size * num_params
     held = batch_size * sum(layer_held_numbers(layer) for layer in layers)
-    return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers, held)
+    held_layers = sum(layer.kind == "held" for layer in layers)
+    return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers, held, held_layers)

@@ -43,12 +43,7 @@ def arm(session: CapturedPass, computed: dict[str, dict[str, Any]], first_run: b
     layout's ``first_run`` each dropped output gradient leaves its row summary in
     ``session.summaries``, which the layout's row check then compares (as the low-memory
     mode's do); the held values are used only once the checks have passed."""
-    owners = session.owners
-    candidates = {
-        name: module
-        for name, module in owners.modules.items()
-        if name not in owners.sharing and _all_differentiated(owners, name, module)
-    }
+    candidates = candidate_layers(session.owners)
     summaries = session.summaries if first_run else None
     when_complete(candidates, session.records, _held_if_smaller(session, computed, summaries))
 
@@ -59,6 +54,17 @@ def disarm(session: CapturedPass) -> None:
     for layer_records in session.records.values():
         for record in layer_records:
             record.watch = None
+
+
+def candidate_layers(owners: Ownership) -> dict[str, nn.Module]:
+    """The layers a DP step may hold as their formed per-example gradients: those that share
+    no parameter and whose every parameter is differentiated (also the route choice's
+    question, ``cost.route_costs``)."""
+    return {
+        name: module
+        for name, module in owners.modules.items()
+        if name not in owners.sharing and _all_differentiated(owners, name, module)
+    }
 
 
 def _all_differentiated(owners: Ownership, module_name: str, module: nn.Module) -> bool:

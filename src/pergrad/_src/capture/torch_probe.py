@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
+from pergrad._src.capture import cost
 from pergrad._src.capture.cost import LayerWork
 from pergrad._src.capture.torch_plan import GENERIC, POSITION_BIAS
 from pergrad._src.core.module_loss import ModuleLoss
@@ -46,12 +47,20 @@ _probed: weakref.WeakKeyDictionary[ModuleLoss, dict[Any, Any]] = weakref.WeakKey
 
 
 def layer_works(
-    loss: ModuleLoss, layers: dict[str, str], generic_size: int, args: tuple[Any, ...]
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    generic_size: int,
+    args: tuple[Any, ...],
+    holdable: frozenset[str] = frozenset(),
 ) -> list[LayerWork] | str:
     """The :class:`~pergrad._src.capture.cost.LayerWork` of every call of the planned
     ``layers`` on one example of ``args`` (``(params, *inputs, *targets)``, batched on axis
     0), or why there is no estimate (a rule the cost model does not know, a model that does
-    not run on one example alone)."""
+    not run on one example alone).
+
+    ``holdable``: the layers a DP step may hold as their formed per-example gradients
+    (``capture/torch_held.py``); each of them whose parameters are no more numbers than its
+    calls' outputs, as there, is one ``"held"`` work instead of its calls'."""
     unknown = sorted({rule for rule in layers.values() if not _known(rule)})
     if unknown:
         return f"no work estimate for the rule(s) {unknown}"
@@ -67,10 +76,27 @@ def layer_works(
     shapes = remembered[key]
     if isinstance(shapes, str):
         return shapes
-    works = [_work(loss.model.get_submodule(name), layers[name], out) for name, out in shapes]
+    works = [
+        (name, _work(loss.model.get_submodule(name), layers[name], out)) for name, out in shapes
+    ]
+    held = _held_layers(works, holdable)
+    kept = [work for name, work in works if name not in held]
+    kept += [LayerWork("held", 1, (), 1, numbers) for numbers in held.values()]
     if generic_size:
-        works.append(LayerWork("formed", 1, (), 1, generic_size))
-    return works
+        kept.append(LayerWork("formed", 1, (), 1, generic_size))
+    return kept
+
+
+def _held_layers(works: list[tuple[str, LayerWork]], holdable: frozenset[str]) -> dict[str, int]:
+    """Layer -> parameter numbers, for each ``holdable`` layer whose per-example gradients are no
+    more numbers than its calls' output gradients (``torch_held``'s test, per example)."""
+    outputs: dict[str, int] = {}
+    numbers: dict[str, int] = {}
+    for name, work in works:
+        if name in holdable:
+            outputs[name] = outputs.get(name, 0) + cost.layer_output_numbers(work)
+            numbers[name] = work.numbers
+    return {name: n for name, n in numbers.items() if n <= outputs[name]}
 
 
 def _known(rule: str) -> bool:

@@ -165,7 +165,7 @@ def clipped_sum_run(
     if not per_group and getattr(max_norm, "shape", None) != ():
         check_positive(func_name, "max_norm", max_norm)  # before the call is analysed
     request, chosen = setup_reduce_request(
-        func_name, fn, args, argnums, in_axes, strategy, chunk_size
+        func_name, fn, args, argnums, in_axes, strategy, chunk_size, clipped=True
     )
     spec, call = request.spec, request.call
     if not per_group:

@@ -98,12 +98,19 @@ from typing import Any
 from pergrad._src.capture import (
     cost,
     torch_compiled,
+    torch_held,
     torch_passes,
     torch_probe,
     torch_quantities,
     torch_users,
 )
-from pergrad._src.capture.torch_plan import GhostPlan, describe_formed, norm_route, plan
+from pergrad._src.capture.torch_plan import (
+    GhostPlan,
+    describe_formed,
+    norm_route,
+    ownership,
+    plan,
+)
 from pergrad._src.capture.torch_quantities import weighted_calls
 from pergrad._src.capture.torch_session import CapturedPass
 from pergrad._src.core.call import Call, Spec
@@ -181,7 +188,8 @@ def _route_costs(request: ReduceRequest, found: GhostPlan) -> cost.RouteCosts | 
     numbers than ``cost.MAX_FORMED_NUMBERS``), or why there is no estimate (a rule the model
     does not know, a model that does not run on one example alone); None below
     ``cost.MIN_CHOICE_NUMBERS`` per-example numbers, where the ghost norms are kept."""
-    num_params = sum(p.numel() for p in request.args[0].values())
+    params = request.args[0]
+    num_params = sum(p.numel() for p in params.values())
     numbers = request.call.batch_size * num_params
     if numbers > cost.MAX_FORMED_NUMBERS:
         return (
@@ -190,7 +198,20 @@ def _route_costs(request: ReduceRequest, found: GhostPlan) -> cost.RouteCosts | 
         )
     if numbers < cost.MIN_CHOICE_NUMBERS:
         return None
-    works = torch_probe.layer_works(request.fn, found.layers, found.generic_size, request.args)
+    held = (
+        (request.clipped or request.weights_from is not None)
+        and request.users is None
+        and cost.HOLD_FORMED
+        and cost.FAST_NORMS
+    )
+    holdable = (
+        frozenset(torch_held.candidate_layers(ownership(request.fn.model, params, found.layers)))
+        if held
+        else frozenset()
+    )
+    works = torch_probe.layer_works(
+        request.fn, found.layers, found.generic_size, request.args, holdable
+    )
     if isinstance(works, str):
         return f"no estimate of materialising's cost: {works}"
     return cost.route_costs(request.call.batch_size, num_params, works)

@@ -165,7 +165,9 @@ class ReduceRequest:
     same call, supplied by the entry point); ``weights_from`` maps the squared norms to the
     clipped sum's example weights (None: norms only). ``users``: None, or a
     :class:`UserGrouping` for user-level clipping by a ghost strategy, whose squared norms are
-    then each user's, in the row layout of ``dp/users.user_slots``."""
+    then each user's, in the row layout of ``dp/users.user_slots``. ``clipped``: the call is
+    a clipped sum's, whose ``weights_from`` is set after the strategy is chosen (the ghost
+    strategy's cost model counts the layers that step holds, ``ghost_torch._route_costs``)."""
 
     spec: Spec
     call: Call
@@ -175,3 +177,4 @@ class ReduceRequest:
     materialize: Callable[[], Any]
     weights_from: WeightsFn | None = None
     users: Any = None
+    clipped: bool = False
