@@ -5,7 +5,8 @@ more numbers than its contraction's cotangents (``B p q`` against ``B T q``: a l
 over a narrow layer) is formed once (``ghost_jax._held``); its certified norms and its weighted
 sum both come from those numbers. The clipped sums must equal those of per-example gradients
 from a loop of ``jax.grad`` (``tests/_reference.py``), each example must stay within the bound,
-and lookups, tied tables, wider layers and norms alone keep the records.
+and lookups, wider layers and norms alone keep the records; a table tied across uses is held
+where all its uses' cotangents outnumber its per-example gradients.
 """
 
 from __future__ import annotations
@@ -254,3 +255,32 @@ def test_formed_norms_are_certified(shape, dtype):
     assert np.all(np.abs(estimate - exact) <= bound)
     if dtype == jnp.float32:
         assert np.all(bound <= 300 * 2.0**-24 * exact)
+
+
+def tied_lm_loss(params: dict, ids: Any) -> Any:
+    """A table (11 x 4) that embeds the tokens and scores the next one."""
+    logits = jnp.tanh(params["table"][ids] @ params["w"]) @ params["table"].T
+    return -jnp.sum(jax.nn.log_softmax(logits)[:-1] * jax.nn.one_hot(ids[1:], 11))
+
+
+@pytest.mark.parametrize("tokens", [6, 2])
+def test_a_tied_table_is_held_over_a_long_enough_sequence(held_names, tokens):
+    """Per example, the table's gradient (11 x 4 = 44 numbers) against its uses' cotangents,
+    ``T (11 + 4)``: held at 6 tokens (90), its cross terms never formed; at 2 tokens (30) from
+    the records (``w``, 16 numbers against ``4 T``, likewise). Both give the loop's clipped
+    sum."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    params = {
+        "table": jax.random.normal(keys[0], (11, 4)),
+        "w": jax.random.normal(keys[1], (4, 4)) / 2,
+    }
+    ids = jax.random.randint(keys[2], (5, tokens), 0, 11)  # ids repeat within examples
+    want, norms = reference(tied_lm_loss, params, ids)
+    max_norm = float(np.median(norms))
+    step = jax.jit(lambda p, i: clipped_sum_of(tied_lm_loss, p, i, max_norm=max_norm))
+    got = step(params, ids)
+    (indices,) = held_names
+    assert names_of(params, indices) == {6: {"table", "w"}, 2: set()}[tokens]
+    assert_close(got.norms, norms)
+    for name, value in want.items():
+        assert_close(got.sum[name], value)

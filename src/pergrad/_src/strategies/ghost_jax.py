@@ -169,6 +169,8 @@ def ghost(
         )
         sums[k] = rule_for(site).weighted_sum(site, found.values[k], inputs, cotangents, w)
     for k, group in found.shared.items():
+        if k in held:
+            continue
         w = per_leaf[k]
         inputs = tuple(_weighted_rows(x, w) for x in found.shared_inputs[k])
         cotangents = tuple(_weighted_rows(d, w) for d in found.shared_cotangents[k])
@@ -184,7 +186,12 @@ def _held(found: JaxRecords) -> dict[int, Any]:
     sum adds, so each example's contribution is within the bound however forming it rounded)
     and its weighted sum (``B p q`` multiply-adds, not the ``B T p q`` of a transpose over the
     records, nor, on the formed norm route, a second ``A^T D``); its records are then dead, and
-    XLA frees them (``benchmarks/dp_transformers_jax.py --records-held``). Read at trace time:
+    XLA frees them (``benchmarks/dp_transformers_jax.py --records-held``). A table tied across
+    uses (an embedding and its output projection) is held likewise, every use's per-example
+    gradient summed (``jax_contractions.tied_per_example``: the lookups scattered into the
+    projection's formed gradient), where that is no more numbers than all its uses' cotangents
+    (an LM head over a long sequence: ``B V d`` against ``B T (V + d)``); its norms then need no
+    cross terms. Read at trace time:
     ``cost.HOLD_FORMED`` (off: every leaf from its records, as before) and ``cost.FAST_NORMS``
     (off: the norms of before, uncertified)."""
     if not (cost.HOLD_FORMED and cost.FAST_NORMS):
@@ -194,6 +201,11 @@ def _held(found: JaxRecords) -> dict[int, Any]:
         rule, param, cotangents = rule_for(site), found.values[k], found.cotangents[k]
         if rule.held and cotangents.shape[0] * math.prod(jnp.shape(param)) <= cotangents.size:
             held[k] = rule.per_example(site, param, found.inputs[k], cotangents)
+    for k, group in found.shared.items():
+        param, inputs, cotangents = _tied_records(found, k)
+        outputs = sum(d.size for d in cotangents)
+        if cotangents[0].shape[0] * math.prod(jnp.shape(param)) <= outputs:
+            held[k] = jax_contractions.tied_per_example(group, param, inputs, cotangents)
     return held
 
 
@@ -210,7 +222,8 @@ def _squared_norms(found: JaxRecords, held: dict[int, Any]) -> list[Any]:
             site, found.values[k], found.inputs[k], found.cotangents[k]
         )
     for k, group in found.shared.items():
-        squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
+        if k not in held:
+            squared[k] = jax_contractions.tied_squared_norms(group, *_tied_records(found, k))
     return squared
 
 
