@@ -164,6 +164,10 @@ def test_flax_nnx_transformer():
     )
 
 
+@pytest.mark.slow(
+    reason="about 7 s on 2 cores; equinox models stay in the default run through "
+    "test_jax_models_in_the_wild.py, and flax transformers through this module's other tests"
+)
 def test_equinox_transformer():
     eqx = pytest.importorskip("equinox", reason="an equinox transformer")
 

@@ -19,6 +19,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("opacus")
 
 
+@pytest.mark.slow(
+    reason="about 40 s on 2 cores (five subprocesses importing torch and jax); run it before "
+    "a GPU session's first call, as tests/README.md says"
+)
 def test_the_dry_run_writes_every_part_and_ships_it(tmp_path: Path) -> None:
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
