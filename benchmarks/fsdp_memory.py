@@ -3,10 +3,15 @@ processes (issue 37): pergrad's ``DPOptimizer`` against the non-private FSDP2 st
 Opacus's FSDP ghost clipping.
 
 Run:  python benchmarks/fsdp_memory.py [--quick] [--worlds 1,2,4] [--rounds R] [--out PATH.md]
-          [--mixed-precision [bfloat16|float16]]
+          [--mixed-precision [bfloat16|float16]] [--model-dtype bfloat16|float16]
+          [--widened-whole] [--vocab V]
 
 The committed results: ``python benchmarks/fsdp_memory.py --out
-benchmarks/results/cpu/fsdp_memory.md`` (11 minutes on the 2-core machine at load 15-20).
+benchmarks/results/cpu/fsdp_memory.md`` (11 minutes on the 2-core machine at load 15-20). In
+bfloat16 (issue 36, 2 to 3 minutes each): ``--model-dtype bfloat16 --widened-whole --worlds 1,2
+--rounds 3`` (``fsdp_memory_bf16.md``), the same with ``--vocab 32768``
+(``fsdp_memory_bf16_vocab32k.md``), and ``--mixed-precision --widened-whole --vocab 32768
+--worlds 2 --rounds 3`` (``fsdp_memory_bf16_mixed_vocab32k.md``).
 
 For each N in ``--worlds`` the script starts N processes of itself joined by a gloo process
 group (one torch thread each). Each process builds a GPT-2 from a small Hugging Face config
@@ -31,7 +36,15 @@ without ``distributed``, Opacus's ``"ghost"``). ``--mixed-precision [DTYPE]``: N
 method's model with ``MixedPrecisionPolicy(param_dtype=DTYPE, reduce_dtype=float32)``, DTYPE
 ``bfloat16`` (the default) or ``float16`` (pergrad
 then forms its clipped sum from the records in float32, ``torch/fsdp.py``); N = 1 stays the
-float32 baseline. All DP steps: ``max_norm=1``,
+float32 baseline. ``--model-dtype DTYPE``: every method's model is itself in DTYPE
+(``model.to(DTYPE)``: parameters, gradients and AdamW's moments), N = 1 included, and the
+single-process reference of the agreement check too. ``--widened-whole``: one more method,
+``pergrad DP, widened whole``, pergrad's step with each layer rule's bfloat16 / float16 records
+widened to float32 whole, as before issue 36 (``widening.WIDENED_CHUNK_NUMBERS`` raised past every
+call; by default a call whose float32 copies would exceed it is widened and reduced a chunk of
+examples at a time), measured in the same processes, interleaved with the others: the
+before/after of that change. ``--vocab V``: the vocabulary (default 8192; the LM head's
+output gradients, ``B x T x V``, grow with it). All DP steps: ``max_norm=1``,
 ``noise_multiplier=1``, one fixed batch (no Poisson sampling), the global expected batch size.
 
 Per process and method, reported for the process where it is largest:
@@ -93,8 +106,9 @@ from pergrad.bench.report import error_summary, fmt, markdown_table, publish, ti
 from pergrad.bench.timing import median_ms, time_interleaved
 
 BASE, PERGRAD, OPACUS = "non-private", "pergrad DP", "Opacus ghost"
+WHOLE = "pergrad DP, widened whole"  # --widened-whole
 METHODS = (BASE, PERGRAD, OPACUS)
-PRIVATE = (PERGRAD, OPACUS)
+PRIVATE = (PERGRAD, WHOLE, OPACUS)
 MAX_NORM, NOISE, LEARNING_RATE, NOISE_SEED = 1.0, 1.0, 1e-4, 1234
 COLLECTIVE_TIMEOUT_S = 120  # a process left waiting for a failed peer raises after this
 WORLD_TIMEOUT_S = 1200  # one N's processes, all methods, at most
@@ -112,6 +126,13 @@ class Config:
     batch: int = 4  # examples per process
     # N > 1: parameters in this dtype in the passes ("bfloat16", "float16"), float32 reduction
     mixed_precision: str | None = None
+    # every method's model in this dtype ("bfloat16", "float16"); None: float32
+    model_dtype: str | None = None
+    # one more method, pergrad's step with the rules' records widened whole (WHOLE)
+    widened_whole: bool = False
+
+    def methods(self) -> tuple[str, ...]:
+        return (BASE, PERGRAD, WHOLE, OPACUS) if self.widened_whole else METHODS
 
     def describe(self) -> str:
         precision = (
@@ -120,6 +141,8 @@ class Config:
             if self.mixed_precision
             else ""
         )
+        if self.model_dtype:
+            precision += f"; the model in {self.model_dtype}"
         return (
             f"GPT-2, {self.layers} layers, width {self.width}, {self.heads} heads, vocabulary "
             f"{self.vocab}, untied lm head ({num_params(self) / 1e6:.2f} M parameters); "
@@ -160,7 +183,8 @@ def gpt2(config: Config) -> Any:
         attn_pdrop=0.0,
         tie_word_embeddings=False,  # as in the committed results (pergrad now takes ties)
     )
-    return transformers.GPT2LMHeadModel(gpt2_config).train()
+    model = transformers.GPT2LMHeadModel(gpt2_config).train()
+    return model.to(getattr(torch, config.model_dtype)) if config.model_dtype else model
 
 
 def shard(model: Any, config: Config) -> Any:
@@ -238,6 +262,8 @@ def build(
         return Step(plain_step, model, optimizer)
     if method == PERGRAD:
         return pergrad_step(model, optimizer, inputs, targets, config, world, noise)
+    if method == WHOLE:
+        return widened_whole(pergrad_step(model, optimizer, inputs, targets, config, world, noise))
     return opacus_step(model, optimizer, inputs, targets, config, world, noise)
 
 
@@ -265,6 +291,25 @@ def pergrad_step(
         step.taken = {"strategy": taken.strategy, "clip_fraction": taken.clip_fraction}
 
     step.call = dp_step
+    return step
+
+
+def widened_whole(step: Step) -> Step:
+    """pergrad's ``step`` with each rule call's low-precision records widened to float32 whole,
+    as before issue 36: the chunking threshold raised past every call while it runs."""
+    from pergrad._src.capture import widening
+
+    chunked = step.call
+
+    def whole_step() -> None:
+        threshold = widening.WIDENED_CHUNK_NUMBERS
+        widening.WIDENED_CHUNK_NUMBERS = float("inf")
+        try:
+            chunked()
+        finally:
+            widening.WIDENED_CHUNK_NUMBERS = threshold
+
+    step.call = whole_step
     return step
 
 
@@ -367,7 +412,7 @@ def measure(config: Config, world: int, rank: int, rounds: int) -> dict[str, Any
     """Every method's step time, state and memory in this process."""
     result: dict[str, Any] = {"failed": {}, "resident_mib": {}, "taken": {}}
     steps: dict[str, Step] = {}
-    for method in METHODS:
+    for method in config.methods():
         gc.collect()
         before = status_mib("VmRSS")
 
@@ -440,7 +485,7 @@ def agreement(config: Config, world: int, rank: int) -> dict[str, str]:
     """On rank 0: each DP method's noiseless update against the single-process one on the
     union of the batches, ``|u - u_ref| / |u_ref|`` (or why it did not run)."""
     updates = {}
-    for method in PRIVATE:
+    for method in (m for m in config.methods() if m in PRIVATE):
         update, error = agreed(lambda method=method: first_update(method, config, world, rank))
         updates[method] = update if error is None else error
     if rank != 0:
@@ -512,11 +557,12 @@ def worker(world: int, rank: int, store: str, out: str, config: Config, rounds: 
 # The driver: N processes for each N, then the table.
 
 
-def run_world(world: int, quick: bool, rounds: int, mixed: str | None = None) -> dict[str, Any]:
-    """Start ``world`` workers, wait for them, and return their results by rank (or why not)."""
+def run_world(world: int, quick: bool, rounds: int, flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Start ``world`` workers, wait for them, and return their results by rank (or why not).
+    ``flags``: the command line's options the workers take too (:func:`worker_flags`)."""
     with tempfile.TemporaryDirectory(prefix="fsdp_memory_") as directory:
         command = [sys.executable, __file__, "--rounds", str(rounds)] + ["--quick"] * quick
-        command += ["--mixed-precision", mixed] if mixed else []
+        command += list(flags)
         env = {**os.environ, "OMP_NUM_THREADS": "1", **FREED_BUFFERS_TO_THE_OS}
         store = str(Path(directory, "store"))
         processes = [
@@ -543,6 +589,21 @@ def run_world(world: int, quick: bool, rounds: int, mixed: str | None = None) ->
     return {"ranks": ranks}
 
 
+def worker_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The options of the workload and the methods, for the worker processes."""
+    flags = ["--mixed-precision", args.mixed_precision] if args.mixed_precision else []
+    flags += ["--model-dtype", args.model_dtype] if args.model_dtype else []
+    flags += ["--widened-whole"] if args.widened_whole else []
+    flags += ["--vocab", str(args.vocab)] if args.vocab else []
+    return tuple(flags)
+
+
+def shown(ranks: list[dict[str, Any]]) -> list[str]:
+    """The methods the processes ran (or tried to), in the table's order."""
+    ran = {*ranks[0]["median_ms"], *ranks[0]["failed"]}
+    return [m for m in (BASE, PERGRAD, WHOLE, OPACUS) if m in ran]
+
+
 def largest(ranks: list[dict[str, Any]], key: str, method: str) -> float | None:
     """The largest value over the processes (state: its total), None where not measured."""
     values = [r[key].get(method) for r in ranks]
@@ -563,7 +624,7 @@ def rows_of(worlds: dict[int, dict[str, Any]]) -> list[list[str]]:
             rows.append([str(world), "all", *["-"] * 7, f"fails: {outcome['failed']}"])
             continue
         base = {key: largest(ranks, key, BASE) for key in ("median_ms", "peak_mib")}
-        for method in METHODS:
+        for method in shown(ranks):
             ms, peak = largest(ranks, "median_ms", method), largest(ranks, "peak_mib", method)
             state = largest(ranks, "state_mib", method)
             state_1 = largest(single, "state_mib", method) if single else None
@@ -642,7 +703,7 @@ def summary(worlds: dict[int, dict[str, Any]]) -> list[str]:
         if not ranks:
             continue
         parts = []
-        for method in PRIVATE:
+        for method in (m for m in shown(ranks) if m in PRIVATE):
             ms = largest(ranks, "median_ms", method)
             if ms is None:
                 parts.append(f"{method} did not run")
@@ -748,9 +809,28 @@ def main() -> None:
         choices=["bfloat16", "float16"],
         help="N > 1: a MixedPrecisionPolicy with param_dtype bfloat16 (the default) or float16",
     )
+    parser.add_argument(
+        "--model-dtype",
+        choices=["bfloat16", "float16"],
+        help="every method's model in this dtype (model.to(dtype)), N = 1 included",
+    )
+    parser.add_argument(
+        "--widened-whole",
+        action="store_true",
+        help="also pergrad's step with the rules' low-precision records widened to float32 "
+        "whole (before issue 36), interleaved with the others",
+    )
+    parser.add_argument("--vocab", type=int, help="the vocabulary (default 8192; quick 128)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    config = replace(QUICK if args.quick else FULL, mixed_precision=args.mixed_precision)
+    base = QUICK if args.quick else FULL
+    config = replace(
+        base,
+        vocab=args.vocab or base.vocab,
+        mixed_precision=args.mixed_precision,
+        model_dtype=args.model_dtype,
+        widened_whole=args.widened_whole,
+    )
     args.rounds = args.rounds or (2 if args.quick else 5)
     if args.worker:
         world, rank, store, out = args.worker
@@ -760,7 +840,7 @@ def main() -> None:
     at_start = uptime()
     results = {}
     for world in worlds:
-        results[world] = run_world(world, args.quick, args.rounds, args.mixed_precision)
+        results[world] = run_world(world, args.quick, args.rounds, worker_flags(args))
         print(f"N={world}: done", file=sys.stderr, flush=True)
     publish(report(results), args.out, lambda: header(config, args, at_start))
 

@@ -24,7 +24,9 @@ or float16 while the parameters are float32; squaring a float16 activation past 
 and autocast would run the rules' own matrix products in the low dtype too, rounding the clip
 factors by ``2**-9`` (so a clipped example could exceed its bound). The results come back in
 the parameter's dtype (squared norms of a float16 parameter in float32, which holds them; a
-float64 computation, the tied-weight path's, stays float64).
+float64 computation, the tied-weight path's, stays float64). A call whose float32 copies would
+be large (an LM head's vocabulary-wide output gradients) is widened and reduced a chunk of
+examples at a time (``widening.py``).
 
 Beyond its functions, a rule may tell the engine how to record a call (``record``: a layer
 called with keyword arguments, returning a tuple, or time-first, such as
@@ -52,6 +54,7 @@ from pergrad._src.capture.quantities import (
     of_records,
     quantity_named,
 )
+from pergrad._src.capture.widening import call_widened
 
 # A rule takes the layer and its calls in one forward pass, and returns each of the layer's own
 # parameters' per-example squared gradient norms: {"weight": (B,), "bias": (B,)}.
@@ -212,7 +215,7 @@ def register(
             _in_precision(squared_norms, squared=True),
             problem,
             _in_precision(per_example),
-            _in_precision(summed),
+            _in_precision(summed, summed=True),
             record,
             batch_axes,
             nested,
@@ -320,27 +323,19 @@ def _without_tf32_flags() -> Iterator[None]:
             flag.allow_tf32 = value
 
 
-def _widen(x: Any) -> Any:
-    """float16 / bfloat16 -> float32; anything else (float32, float64, integers) as it is."""
-    import torch
-
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() < 4:
-        return x.float()
-    return x
-
-
-def _in_precision(fn: Callable[..., dict[str, Any]], squared: bool = False) -> Any:
-    """``fn(layer, calls, *args)`` on calls widened to float32, autocast off; each result
-    in its parameter's dtype (see the module docstring)."""
+def _in_precision(
+    fn: Callable[..., dict[str, Any]], squared: bool = False, summed: bool = False
+) -> Any:
+    """``fn(layer, calls, *args)`` on calls widened to float32 (whole, or a chunk of examples
+    at a time where the copy would be large: ``widening.py``; ``summed``: ``fn`` gives weighted
+    sums), autocast off; each result in its parameter's dtype (see the module docstring)."""
     import torch
 
     @functools.wraps(fn)
     def run(layer: Any, calls: list[Any], *args: Any) -> dict[str, Any]:
-        widened = [
-            type(call)(_widened_inputs(call.inputs), _widen(call.output_grad)) for call in calls
-        ]
+        sum_size = functools.partial(_reduced_numbers, layer) if summed else None
         with in_reduction_precision(calls[0].output_grad.device):
-            values = fn(layer, widened, *(_widen(a) for a in args))
+            values = call_widened(fn, layer, calls, args, sum_size)
         result = {}
         for key, value in values.items():
             param = _parameter(layer, key)
@@ -353,14 +348,10 @@ def _in_precision(fn: Callable[..., dict[str, Any]], squared: bool = False) -> A
     return run
 
 
-def _widened_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Each input widened once: an input passed twice (self-attention's query, key and value)
-    stays one tensor, which a rule may use (one Gram matrix for the three)."""
-    done: dict[int, Any] = {}
-    for x in inputs:
-        if id(x) not in done:
-            done[id(x)] = _widen(x)
-    return tuple(done[id(x)] for x in inputs)
+def _reduced_numbers(layer: Any) -> int:
+    """How many numbers the layer's reduced parameters hold (their full size, where FSDP
+    shards them): the size of its weighted sums."""
+    return sum(param.numel() for _, param in layer_parameters(layer))
 
 
 def _parameter(layer: Any, key: str) -> Any:

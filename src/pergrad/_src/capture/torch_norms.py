@@ -272,19 +272,22 @@ _REPLAY: contextvars.ContextVar[Iterator[Any] | None] = contextvars.ContextVar(
 
 def loose_counts(found: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """How many examples of each certified norm in ``found`` (``cost.Certified`` pairs of
-    ``(B,)`` tensors, at least one) have a bound over ``cost.ROUNDING_TOLERANCE`` of their
-    estimate, the test :func:`_tightened` makes: an ``int64`` tensor on the device, one count
-    per pair, and the pairs' positions in ``found`` in its order; with it, a 0-d boolean
+    ``(B,)`` tensors, or of one chunk's examples where a rule ran on chunks of the batch,
+    ``widening.WIDENED_CHUNK_NUMBERS``; at least one) have a bound over
+    ``cost.ROUNDING_TOLERANCE`` of their estimate, the test :func:`_tightened` makes: an
+    ``int64`` tensor on the device, one count per pair, and the pairs' positions in ``found``
+    in its order; with it, a 0-d boolean
     tensor: whether tightening those examples keeps every estimate finite (each one's upper
     bound ``estimate + bound``, above its exact norm, is under a quarter of its dtype's
     largest number, so the float64 value rounded back cannot overflow; a loose estimate is
-    itself finite, since ``nan`` and ``inf`` compare false). The pairs of one dtype and device
-    are checked together: a few kernels, whatever their number."""
-    groups: dict[tuple[Any, Any], list[int]] = {}
+    itself finite, since ``nan`` and ``inf`` compare false). The pairs of one dtype, device and
+    length are checked together: a few kernels, whatever their number."""
+    groups: dict[tuple[Any, Any, Any], list[int]] = {}
     for k, pair in enumerate(found):
-        groups.setdefault((pair.estimate.dtype, pair.estimate.device), []).append(k)
+        estimate = pair.estimate
+        groups.setdefault((estimate.dtype, estimate.device, estimate.shape), []).append(k)
     counts, finite = [], []
-    for (dtype, _), positions in groups.items():
+    for (dtype, _, _), positions in groups.items():
         estimates = torch.stack([found[k].estimate for k in positions])
         bounds = torch.stack([found[k].bound for k in positions])
         loose = _loose(cost.Certified(estimates, bounds))
