@@ -1,12 +1,17 @@
 """Where the time of the hooks strategy's steady-state call goes, against its cost floor.
 
 Run:  python benchmarks/hooks_split.py [--workload NAME] [--batch B] [--threads N] [--rounds N]
-                                       [--out PATH]
+                                       [--loss wrapped|direct] [--width D --seq T] [--out PATH]
 
 ``pergrad.per_example_grads(module_loss(model, loss), strategy="hooks")`` on one workload of
 ``pergrad.bench`` (the transformer, B=32, by default), after the first calls of its layout
-(which run the checks). Timed side by side in interleaved rounds, each call's wall-clock time
-and its thread's CPU time (on a shared machine, the time other processes run is not counted
+(which run the checks). ``--loss wrapped`` (the default) passes the workload's loss in a
+``lambda``, as the other benchmarks do (the per-example losses then go through ``vmap``);
+``--loss direct`` passes ``F.cross_entropy`` (or ``F.mse_loss``) itself, as the README's
+examples do (the engine takes those with ``reduction="none"`` in one call). ``--width D
+--seq T``: the transformer with model width D (4 heads, feed-forward 2 D, vocabulary 1000)
+on sequences of T tokens, a workload where the per-call overhead weighs less. Timed side by
+side in interleaved rounds, each call's wall-clock time and its thread's CPU time (on a shared machine, the time other processes run is not counted
 in the latter, what they do to the caches is), medians:
 
 * ``batch grad``: ``loss.backward()`` of the batch's mean loss: the batch gradient;
@@ -40,7 +45,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import pergrad
 from pergrad._src.strategies import hooks_torch
@@ -55,13 +63,16 @@ WARMUP = 2  # calls of each method before the timed rounds (the first runs the c
 
 @contextlib.contextmanager
 def records_held() -> Iterator[None]:
-    """The hooks strategy as before its records let go of their outputs after the pass."""
-    original = hooks_torch._let_go_of_outputs
+    """The hooks strategy as before its records let go of their outputs after the pass (and
+    on ``functional_call``, whose passes put the tensor hooks that close the cycle: a pass on
+    the model's own parameters puts none)."""
+    original = hooks_torch._let_go_of_outputs, hooks_torch._light_on_own_parameters
     hooks_torch._let_go_of_outputs = lambda records: None
+    hooks_torch._light_on_own_parameters = lambda *args: False
     try:
         yield
     finally:
-        hooks_torch._let_go_of_outputs = original
+        hooks_torch._let_go_of_outputs, hooks_torch._light_on_own_parameters = original
 
 
 class Phases:
@@ -139,14 +150,62 @@ def floor_parts(
     }
 
 
-def measure(name: str, batch: int, rounds: int) -> dict[str, Any]:
-    workload = workloads.WORKLOADS[name]
-    model, x, y = workloads.build(workload, batch)
-    x, y = torch.as_tensor(x), torch.as_tensor(y)
+class WideTransformer(nn.Module):
+    """``workloads.TinyTransformer`` at another width and sequence length (4 heads,
+    feed-forward twice the width, vocabulary 1000, 10 classes)."""
 
-    def loss_fn(out: Any, target: Any) -> Any:
+    def __init__(self, width: int, seq: int) -> None:
+        super().__init__()
+        self.width, self.heads = width, 4
+        self.embed = nn.Embedding(1000, width)
+        self.pos = nn.Embedding(seq, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln1 = nn.LayerNorm(width)
+        self.ff1 = nn.Linear(width, 2 * width)
+        self.ff2 = nn.Linear(2 * width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape
+        d, heads = self.width, self.heads
+        positions = torch.arange(t, device=x.device).expand(b, t)
+        h = self.embed(x) + self.pos(positions)
+        q, k, v = self.qkv(h).reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1)
+        attended = (weights @ v).transpose(1, 2).reshape(b, t, d)
+        h = self.ln1(h + self.proj(attended))
+        h = self.ln2(h + self.ff2(F.relu(self.ff1(h))))
+        return self.head(h.mean(dim=1))
+
+
+def model_and_data(
+    name: str, batch: int, width: int | None, seq: int | None
+) -> tuple[nn.Module, Any, Any, str]:
+    """The workload's seeded model and data, or (``width``) the wider transformer; its name."""
+    workload = workloads.WORKLOADS[name]
+    if width is None:
+        model, x, y = workloads.build(workload, batch)
+        return model, torch.as_tensor(x), torch.as_tensor(y), f"{name} (B={batch})"
+    torch.manual_seed(0)
+    model = WideTransformer(width, seq).eval()
+    x, y = workloads.tokens(1000, seq, 10)(np.random.default_rng(0), batch)
+    label = f"{name} at width {width}, T={seq} (B={batch})"
+    return model, torch.as_tensor(x), torch.as_tensor(y), label
+
+
+def measure(
+    name: str, batch: int, rounds: int, loss_kind: str, width: int | None, seq: int | None
+) -> dict[str, Any]:
+    workload = workloads.WORKLOADS[name]
+    model, x, y, label = model_and_data(name, batch, width, seq)
+
+    def wrapped(out: Any, target: Any) -> Any:
         return workloads.torch_loss(workload, out, target)
 
+    direct = F.mse_loss if workload.loss == "mse" else F.cross_entropy
+    loss_fn = direct if loss_kind == "direct" else wrapped
     loss = pergrad.module_loss(model, loss_fn)
     params = loss.params()
     hooks = pergrad.per_example_grads(loss, strategy="hooks")
@@ -169,7 +228,7 @@ def measure(name: str, batch: int, rounds: int) -> dict[str, Any]:
         # would slow down every call after them
         before_wall, before_cpu = interleaved({"batch grad": batch_grad, HELD: held}, rounds)
     return {
-        "workload": f"{name} (B={batch})",
+        "workload": f"{label}, loss {loss_kind}",
         "wall": wall,
         "cpu": cpu,
         "before_wall": before_wall,
@@ -274,11 +333,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--loss", choices=("wrapped", "direct"), default="wrapped")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.width is not None and args.workload != "transformer":
+        parser.error("--width is for the transformer workload")
     torch.set_num_threads(args.threads)
     load_at_start = load_average()
-    result = measure(args.workload, args.batch, args.rounds)
+    result = measure(args.workload, args.batch, args.rounds, args.loss, args.width, args.seq)
 
     def header() -> str:
         details = [f"torch threads {args.threads}", f"median of {args.rounds} rounds"]

@@ -4,7 +4,8 @@ Per-example gradients (:func:`pergrad.per_example_grads`, ``strategy=``):
 
 - ``vmap.py`` (``"vmap"``): the framework's ``vmap(value_and_grad(loss of one example))``.
 - ``hooks_torch.py`` (``"hooks"``, PyTorch ``module_loss``): one batched pass with layer hooks
-  (``capture/``), per-example gradients from the layer rules, checked.
+  (``capture/``), per-example gradients from the layer rules, checked; what it must watch is
+  planned in ``hooks_plan.py``.
 - ``loop.py`` (``"loop"``): one example at a time with plain autodiff.
 
 Per-example norms and clipped sums (:func:`pergrad.norms.per_example_norms_of`,

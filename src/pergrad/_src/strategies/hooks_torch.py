@@ -19,7 +19,8 @@ It is only used when it is right, and checked while it runs:
   (``F.linear(x, self.fc.weight)`` in a parent module) breaks that sum and the call is refused
   (``"auto"`` then loops). Once a layout has passed its checks, its later calls differentiate
   only the hooked layers' outputs (no weight gradient is computed: a third of a training
-  step's work), as the ghost strategy does;
+  step's work), as the ghost strategy does; where ``params`` are the model's own (as
+  ``loss.params()`` gives), those calls run the model on them, without ``functional_call``;
 - on the first call of each layout (the arguments' and the records' shapes, each dimension
   equal to the batch size marked: ``torch_checks.records_signature``), each hooked
   layer's output gradient must be row-local (``capture/torch_checks.py``: a second, weighted
@@ -47,125 +48,27 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from pergrad._src.capture import torch_checks
-from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.rules import full_float32, rule_for
 from pergrad._src.capture.torch_engine import (
     capturing,
     layer_calls,
     model_and_loss_arguments,
     per_example_losses,
 )
-from pergrad._src.capture.torch_plan import uses_and_aliases
 from pergrad._src.core.call import Call, Spec
 from pergrad._src.core.module_loss import ModuleLoss, refuse_batch_mixing_layers
 from pergrad._src.errors import PergradValueError, Unsupported, is_pergrad_error
+from pergrad._src.strategies.hooks_plan import HooksPlan, own_parameters, plan, views_of
 from pergrad._src.strategies.protocol import Assessment, GradsRequest
 from pergrad._src.strategies.vmap import vmap_failure
 
 _LOSS_CHECKS = 64  # examples whose loss alone is compared on the first call
-
-
-@dataclass(frozen=True)
-class HooksPlan:
-    """Which layers the hooks must watch, and what they cannot cover.
-
-    Attributes:
-      owners: parameter name (as in ``params``) -> the ``(module_name, attribute)`` of every
-        layer using it (two for tied weights).
-      unsupported: parameter or module name -> why the hooks cannot give its gradients.
-    """
-
-    owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    unsupported: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def modules(self) -> list[str]:
-        return sorted({module for uses in self.owners.values() for module, _ in uses})
-
-
-def plan(spec: Spec, loss: Any, params: Any) -> HooksPlan:
-    """Check, without running anything, whether the hooks can give every parameter's gradient."""
-    if not isinstance(loss, ModuleLoss):
-        return HooksPlan(unsupported={"fn": "layer hooks need a loss made by pergrad.module_loss"})
-    if spec.argnums != (0,) or not spec.single_argnum:
-        return HooksPlan(unsupported={"argnums": "the hooks differentiate the parameters only"})
-    if spec.has_aux:
-        return HooksPlan(unsupported={"has_aux": "the hooks take a loss without aux outputs"})
-    if spec.randomness == "same":
-        return HooksPlan(
-            unsupported={"randomness": "'same' (one draw for all examples) needs a loop"}
-        )
-    if not (
-        isinstance(params, dict)
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items())
-    ):
-        return HooksPlan(unsupported={"params": "the hooks need a dict[str, Tensor] of parameters"})
-    uses_of, modules = _ownership(loss, params)
-    owners, unsupported = {}, {}
-    for name in params:
-        if name not in uses_of:
-            unsupported[name] = "not a parameter of the model"
-            continue
-        uses = uses_of[name]
-        for module_name, _ in uses:
-            module = modules[module_name]
-            rule = rule_for(module)
-            problem = rule.problem(module) if rule is not None else None
-            if rule is None:
-                unsupported[module_name or name] = f"no layer rule for {type(module).__name__}"
-            elif problem is not None:
-                unsupported[module_name or name] = f"{type(module).__name__}: {problem}"
-        owners[name] = uses
-    return HooksPlan(owners, unsupported)
-
-
-# Each loss's last ownership of its parameters, under the model's structure it was worked out
-# from (see _ownership).
-_OWNERSHIP: weakref.WeakKeyDictionary[ModuleLoss, tuple[Any, Any]] = weakref.WeakKeyDictionary()
-
-
-def _ownership(
-    loss: ModuleLoss, params: dict[str, torch.Tensor]
-) -> tuple[dict[str, list[tuple[str, str]]], dict[str, nn.Module]]:
-    """The layers using each parameter, as the ghost strategy plans with (a module registered
-    under two names is one layer; a rule's nested parameters, attention's out_proj, belong to
-    its layer), and every module by name.
-
-    Working the uses out walks the model (0.2 ms a call on the bench transformer, 4% of its
-    batch gradient, and "auto" plans every call): they are kept on the loss, under what they
-    depend on, read afresh at each call: the parameter names asked for, every module (name,
-    object, class, rule) and every parameter (name, object)."""
-    model = loss.model
-    modules = dict(model.named_modules(remove_duplicate=False))
-    structure = (
-        tuple(params),
-        tuple((name, id(m), type(m), id(rule_for(m))) for name, m in modules.items()),
-        tuple((name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)),
-    )
-    kept = _OWNERSHIP.get(loss)
-    if kept is not None and kept[0] == structure:
-        return kept[1], modules
-    uses_of, _ = uses_and_aliases(model, params)
-    _OWNERSHIP[loss] = (structure, uses_of)
-    return uses_of, modules
-
-
-def own_parameters(loss: ModuleLoss, params: dict[str, torch.Tensor]) -> bool:
-    """Whether ``params`` are views of the model's own parameters (as ``loss.params()`` gives)."""
-    by_name = dict(loss.model.named_parameters(remove_duplicate=False))
-    return all(
-        name in by_name
-        and value.data_ptr() == by_name[name].data_ptr()
-        and value.shape == by_name[name].shape
-        and value.stride() == by_name[name].stride()
-        for name, value in params.items()
-    )
 
 
 def value_and_grads(
@@ -303,8 +206,7 @@ def _one_pass(
     ``torch_checks.check_rows`` too. ``observe(records, batch_size)``: called after the
     forward pass, before any backward pass (it may raise)."""
     loss: ModuleLoss = spec.fn  # type: ignore[assignment]
-    model = loss.model
-    modules = {name: model.get_submodule(name) for name in hooks_plan.modules}
+    modules = hooks_plan.layers
     diff = [x.detach().requires_grad_(True) for x in diff_values]
     args = call.rebuild(diff, batched_values)
     params = args[0]
@@ -312,7 +214,14 @@ def _one_pass(
     rng = call.backend.rng_state()
     arguments = (spec, loss, params, diff, modules, inputs, targets, target_dims, batch_size)
     try:
-        losses, records, batch_grads = _forward_backward(*arguments, verify, observe)
+        if verify or not _light_on_own_parameters(loss, hooks_plan, params):
+            losses, records, batch_grads = _forward_backward(*arguments, verify, observe)
+        else:
+            try:
+                losses, records, batch_grads = _light_forward_backward_own(*arguments, observe)
+            except _ChangedInPlace:
+                _CHANGED_IN_PLACE.add(loss)
+                losses, records, batch_grads = _forward_backward(*arguments, verify, observe)
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
@@ -353,14 +262,16 @@ def _batched_pass(
     backward: Callable[..., list[Any] | None],
     verify: bool,
     observe: Callable[[dict[str, list[Any]], int], None] | None,
+    output_hooks: bool = True,
 ) -> tuple[Any, Any, list[Any] | None]:
     """Forward the batch with the layers hooked, then ``backward(sum of losses, retain,
     records)`` -> batch gradients (or None: only the layers' outputs were differentiated);
     with ``verify`` (and two examples or more), a second, weighted backward pass checks that
     each layer's output gradient is row-local. The backward passes stay inside the hooks:
-    reentrant checkpointing reruns the forward pass there."""
+    reentrant checkpointing reruns the forward pass there. ``output_hooks``: as
+    ``capturing``'s (False: ``backward`` hands the records their output gradients)."""
     row_checks = verify and batch_size > 1
-    with torch.enable_grad(), capturing(modules, batch_size) as records:
+    with torch.enable_grad(), capturing(modules, batch_size, output_hooks) as records:
         try:
             output = loss.forward(params, inputs)
             losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
@@ -425,6 +336,81 @@ def _forward_backward(
         backward,
         verify,
         observe,
+    )
+
+
+# Losses whose light pass found a hooked layer's output changed in place (its own
+# parameters could then not be left out of the backward pass): functional_call for them.
+_CHANGED_IN_PLACE: weakref.WeakSet[ModuleLoss] = weakref.WeakSet()
+
+
+class _ChangedInPlace(Exception):
+    """A light pass on the model's own parameters met an output changed in place."""
+
+
+def _light_on_own_parameters(
+    loss: ModuleLoss, hooks_plan: HooksPlan, params: dict[str, torch.Tensor]
+) -> bool:
+    """Whether a light pass (a checked layout: only the hooked layers' outputs are
+    differentiated) may run the model on its own parameters instead of ``functional_call``
+    (0.1-0.3 ms a call on the bench transformer, 2-5% of its batch gradient, to swap the
+    parameters in and out): ``params`` are views of them (as ``loss.params()`` gives), each
+    of which requires grad (so every layer output that ``params`` reach is differentiable the
+    same way), and no earlier light pass of ``loss`` met an output changed in place (which
+    needs the parameters' own gradients: they must be fresh leaves, or the user's hooks on
+    the parameters would fire)."""
+    return loss not in _CHANGED_IN_PLACE and views_of(
+        params, hooks_plan.parameters, requiring_grad=True
+    )
+
+
+def _light_forward_backward_own(
+    spec: Spec,
+    loss: ModuleLoss,
+    params: dict[str, torch.Tensor],
+    diff: list[torch.Tensor],
+    modules: dict[str, nn.Module],
+    inputs: tuple[Any, ...],
+    targets: list[Any],
+    target_dims: list[Any],
+    batch_size: int,
+    observe: Callable[[dict[str, list[Any]], int], None] | None,
+) -> tuple[Any, Any, None]:
+    """A light pass through the model's own parameters (:func:`_light_on_own_parameters`):
+    only the hooked layers' outputs are differentiated (``torch.autograd.grad``: no
+    ``.grad`` is written, no hook on a parameter is reached), and their gradients handed to
+    the records as ``torch.autograd.grad`` returns them (no tensor hook: 10 us a layer).
+    Raises :class:`_ChangedInPlace` where an output was changed in place since its layer
+    returned it (a tensor hook would see the gradient of the value the layer returned; the
+    returned gradient is that of the value changed), or is a leaf."""
+
+    def backward(total: torch.Tensor, retain: bool, records: Any) -> None:
+        outputs = None if _unfit_for_own_pass(records) else _outputs(records)
+        if outputs is None:
+            raise _ChangedInPlace
+        grads = torch.autograd.grad(total, outputs, allow_unused=True, retain_graph=retain)
+        by_output = {id(output): grad for output, grad in zip(outputs, grads)}
+        for layer_records in records.values():
+            for record in layer_records:
+                # (a record of the forward pass that checkpointing reran inside the backward
+                # pass was not differentiated: its tensor hook would not have fired either)
+                grad = None if record.output is None else by_output.get(id(record.output))
+                if grad is not None:
+                    record.receive(grad.movedim(record.output_axis, 0))
+
+    return _batched_pass(
+        spec,
+        loss,
+        None,
+        modules,
+        inputs,
+        targets,
+        target_dims,
+        batch_size,
+        backward,
+        False,
+        observe,
+        output_hooks=False,
     )
 
 
@@ -501,12 +487,27 @@ def _outputs(records: dict[str, list[Any]]) -> list[torch.Tensor] | None:
     return list(outputs.values()) or None
 
 
+def _unfit_for_own_pass(records: dict[str, list[Any]]) -> bool:
+    """Whether an in-place op has changed a hooked call's recorded output since its layer
+    returned it, or one is a leaf (a layer returning a parameter of its own: differentiating
+    it would reach the user's hooks on that parameter)."""
+    return any(
+        r.output is not None and (r.output._version != r.output_version or r.output.is_leaf)
+        for layer_records in records.values()
+        for r in layer_records
+    )
+
+
 def _gather(
     modules: dict[str, nn.Module], records: dict[str, list[Any]]
 ) -> dict[tuple[str, str], torch.Tensor]:
-    """``(module_name, attribute) -> (B, *shape)`` from each layer's rule."""
+    """``(module_name, attribute) -> (B, *shape)`` from each layer's rule.
+
+    The rules run in full float32 (``rules.full_float32``), each rule call for itself; set
+    once around them all, the flags are set once a call instead of once a layer (each rule
+    call then finds them set: about 5 us a layer less)."""
     result = {}
-    with torch.no_grad():
+    with torch.no_grad(), full_float32():
         for module_name, module in modules.items():
             # raises Unsupported for an input changed in place after the layer read it
             calls = layer_calls(module_name, records[module_name])
