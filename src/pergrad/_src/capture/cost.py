@@ -274,18 +274,18 @@ def dense_route(width_in: int, width_out: int, input_unit: float = 0.0) -> str:
 # (layer_norm_work) and GHOST_LAYER_COST per layer call and step (its hooks, records and the
 # bound's small kernels), whatever the batch; its weighted sum is one weight gradient, as the
 # per-example gradients' own computation is for materialising (the two cancel). A DP step's
-# held layers (capture/torch_held.py) cost materialising's work on their numbers instead, the
-# weight gradient their sum would take saved ("held" in LayerWork). Fitted to Opacus's MNIST
-# SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py, 1 thread): past the batch gradient,
-# materialising took about 0.15 ms per example and 1.6 ms per step, the ghost step about
-# 0.07 ms per example and 4.5 ms per step (from its B = 16 and B = 64 rows), so the ghost
-# step's fixed cost is about 2.9 ms more, 4 x GHOST_LAYER_COST at materialising's 0.15 ms for
-# its 832 k per-example numbers per example; materialising is faster below about 30 examples
-# and slower above (measured: 0.8x the ghost step's time at B = 16, a tie at 24-64, 1.1-1.2x
-# at 96-128: benchmarks/results/cpu/auto_choice_sweep.md, where the model's crossover is
-# set beside the measured one). The same constants send a small transformer over 256 tokens
-# (B = 8, formed norms) to materialising by time (measured 0.8-0.9x) and MLPs (closed-form
-# norms) to the ghost norms (materialising 10-40x slower): benchmarks/results/cpu/auto_choice.md.
+# held layers (capture/torch_held.py) hold their per-example gradients instead of their
+# records, and a dense one costs materialising's work on its numbers (held_norm_work). Fitted
+# to Opacus's MNIST SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py --sweep, 1
+# thread, quiet: benchmarks/results/cpu/auto_choice_sweep.md): past the batch gradient,
+# materialising took about 0.16 ms per example and 1.1 ms per step, the ghost step about
+# 0.10 ms per example and 4.5 ms per step, so its fixed cost is about 3.4 ms more: 4 layers x
+# GHOST_LAYER_COST at materialising's 0.16 ms for its 832 k multiply-adds per example. The
+# model puts the crossover at about 47 examples, the sweep at 40-64 (materialising 0.75x the
+# ghost step's time at 16 examples, a tie at 40, 1.04x at 64, 1.07-1.2x at 96-128; 6% lost at
+# 48, where the two disagree). The same constants send a small transformer over 256 tokens (B =
+# 8, formed norms) to materialising by time (measured 0.8-0.9x) and MLPs (closed-form norms)
+# to the ghost norms (materialising 10-40x slower): benchmarks/results/cpu/auto_choice.md.
 MATERIALIZED_NUMBER_COST = 32
 GHOST_LAYER_COST = 2**22
 # The certified bound's own work per position and unit of width (the magnitudes |a_t|, |d_t|
@@ -321,14 +321,15 @@ class LayerWork(NamedTuple):
     widths: tuple[int, ...]
     groups: int
     numbers: int
+    norm_work: float = 0.0  # a "held" layer's (held_norm_work)
 
 
 def layer_norm_work(layer: LayerWork) -> float:
     """Multiply-adds per example of one layer call's ghost norms (see :func:`route_costs`)."""
     if layer.kind == "light":
         return float(math.prod(layer.widths))
-    if layer.kind == "held":  # formed as materialising would, its sum B x P multiply-adds
-        return float(MATERIALIZED_NUMBER_COST * layer.numbers)
+    if layer.kind == "held":
+        return layer.norm_work
     if layer.kind == "formed":
         dense = layer.positions * layer.numbers
         return dense + MATERIALIZED_NUMBER_COST * layer.numbers
@@ -353,6 +354,20 @@ def layer_norm_work(layer: LayerWork) -> float:
 # for the ghost norms' one-pass mode, 1.14x / 1.18x for its low-memory mode).
 FREE_FORMED_NUMBERS = 2**22
 MATERIALIZED_MEMORY = 2
+
+
+def held_norm_work(calls: list[LayerWork]) -> float:
+    """The norm work per example of a layer a DP step holds as its formed per-example
+    gradients (``capture/torch_held.py``), from its ``calls``' works: a dense layer's calls
+    cost materialising's work on its numbers (forming them is a weight gradient's products,
+    and its share of the clipped sum, ``B P`` multiply-adds, saves the weight gradient the sum
+    would take); a convolution formed over its positions or a light layer, what its calls cost
+    as they were (unfolding a convolution's patches costs more than the convolution's own
+    weight gradient it saves: Opacus's MNIST SampleConvNet's held ``conv1`` left its DP step's
+    time per example where it was, benchmarks/results/cpu/auto_choice_sweep.md)."""
+    dense = any(call.kind == "dense" for call in calls)
+    rest = sum(layer_norm_work(call) for call in calls if call.kind != "dense")
+    return rest + (MATERIALIZED_NUMBER_COST * calls[0].numbers if dense else 0.0)
 
 
 def layer_output_numbers(layer: LayerWork) -> int:

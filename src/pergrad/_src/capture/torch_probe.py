@@ -81,22 +81,27 @@ def layer_works(
     ]
     held = _held_layers(works, holdable)
     kept = [work for name, work in works if name not in held]
-    kept += [LayerWork("held", 1, (), 1, numbers) for numbers in held.values()]
+    kept += held.values()
     if generic_size:
         kept.append(LayerWork("formed", 1, (), 1, generic_size))
     return kept
 
 
-def _held_layers(works: list[tuple[str, LayerWork]], holdable: frozenset[str]) -> dict[str, int]:
-    """Layer -> parameter numbers, for each ``holdable`` layer whose per-example gradients are no
-    more numbers than its calls' output gradients (``torch_held``'s test, per example)."""
-    outputs: dict[str, int] = {}
-    numbers: dict[str, int] = {}
+def _held_layers(
+    works: list[tuple[str, LayerWork]], holdable: frozenset[str]
+) -> dict[str, LayerWork]:
+    """Layer -> its ``"held"`` work, for each ``holdable`` layer whose per-example gradients are
+    no more numbers than its calls' output gradients (``torch_held``'s test, per example):
+    ``numbers`` its parameters', ``norm_work`` its calls' (``cost.held_norm_work``)."""
+    calls: dict[str, list[LayerWork]] = {}
     for name, work in works:
         if name in holdable:
-            outputs[name] = outputs.get(name, 0) + cost.layer_output_numbers(work)
-            numbers[name] = work.numbers
-    return {name: n for name, n in numbers.items() if n <= outputs[name]}
+            calls.setdefault(name, []).append(work)
+    return {
+        name: LayerWork("held", 1, (), 1, its[0].numbers, cost.held_norm_work(its))
+        for name, its in calls.items()
+        if its[0].numbers <= sum(map(cost.layer_output_numbers, its))
+    }
 
 
 def _known(rule: str) -> bool:
