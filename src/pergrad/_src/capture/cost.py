@@ -277,7 +277,7 @@ def dense_route(width_in: int, width_out: int, input_unit: float = 0.0) -> str:
 # held layers (capture/torch_held.py) hold their per-example gradients instead of their
 # records, and a dense one costs materialising's work on its numbers (held_norm_work). Fitted
 # to Opacus's MNIST SampleConvNet on a 2-core CPU (benchmarks/auto_choice.py --sweep, 1
-# thread, quiet: benchmarks/results/cpu/auto_choice_sweep.md): past the batch gradient,
+# thread, load about 2: benchmarks/results/cpu/auto_choice_sweep.md): past the batch gradient,
 # materialising took about 0.16 ms per example and 1.1 ms per step, the ghost step about
 # 0.10 ms per example and 4.5 ms per step, so its fixed cost is about 3.4 ms more: 4 layers x
 # GHOST_LAYER_COST at materialising's 0.16 ms for its 832 k multiply-adds per example. The
