@@ -7,8 +7,8 @@ Two workloads, each in PyTorch and in JAX with the same architecture and the sam
 * ``cnn``: the SimpleCNN of the PyTorch per-sample-gradients tutorial (batch 64, 1x28x28);
 * ``mlp``: an MLP 784-512-512-10 with cross-entropy (batch 256).
 
-For each, and each framework in turn, it times (interleaved within every round, in a rotated
-order, so that machine noise hits them equally):
+For each, and each framework in turn, it times (interleaved within every round, in a balanced
+order, each method after every other equally often, so that machine noise hits them equally):
 
 * ``pergrad``: ``pergrad.per_example_grads(loss)`` (torch: eager; JAX: under ``jax.jit``);
 * ``hand-written``: ``vmap(grad(loss), in_dims=(None, 0, 0))`` (JAX: under ``jax.jit``);

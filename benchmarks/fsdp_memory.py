@@ -50,7 +50,7 @@ output gradients, ``B x T x V``, grow with it). All DP steps: ``max_norm=1``,
 Per process and method, reported for the process where it is largest:
 
 * **step ms**: the median over ``--rounds`` interleaved rounds (each round runs every method
-  once, in a rotated order, after one warm-up step each; ``pergrad.bench.timing``);
+  once, in a balanced order (each after every other equally often), after one warm-up step each; ``pergrad.bench.timing``);
 * **state MiB**: counted, not measured: the bytes of the storages of the local parameter
   shards, their gradients, the optimizer state (AdamW's two moments) and the DP method's own
   buffers kept between steps (Opacus's ``summed_grad``), each storage once, after a step. With

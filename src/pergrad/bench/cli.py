@@ -8,11 +8,12 @@ The command behind ``python -m pergrad.bench`` (and the repository's ``python -m
 For each workload and batch size, every available method (see ``pergrad/bench/methods.py``) is
 built on the device, checked once against the per-example gradients of a Python loop (max abs
 error; norms for norm-only methods, the batch mean for the floors), then timed: after warm-up,
-every round calls each method of a framework once in a rotated order (torch and JAX methods in
-separate blocks, so one framework's busy thread pool does not slow the other). Each framework's
-block also times writing B x P numbers, for the floor of per-example gradients (batch gradient +
-write). Peak memory comes from a fresh process per (workload, method), one per method for all
-the batch sizes of the sweep: see ``pergrad/bench/memory.py``.
+every round calls each method of a framework once, in a balanced order (over the rounds each
+method runs right after each other equally often: ``timing.time_interleaved``), torch and JAX
+methods in separate blocks, so one framework's busy thread pool does not slow the other. Each
+framework's block also times writing B x P numbers, for the floor of per-example gradients
+(batch gradient + write). Peak memory comes from a fresh process per (workload, method), one
+per method for all the batch sizes of the sweep: see ``pergrad/bench/memory.py``.
 
 Torch models and data are placed on ``--device`` (default: cuda if torch sees a GPU, else cpu);
 JAX arrays on JAX's device of the same kind. A peer that is not installed (Opacus, BackPACK,
