@@ -254,7 +254,7 @@ def in_reduction_precision(device: Any) -> Iterator[None]:
     products in float32, not TensorFloat-32 (:func:`full_float32`)."""
     import torch
 
-    device_type = torch.device(device).type
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     with full_float32():
         if device_type == "meta" or not torch.is_autocast_enabled(device_type):
             yield

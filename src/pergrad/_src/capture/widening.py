@@ -13,7 +13,8 @@ float32 or float64 call has nothing to widen: it runs whole, as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pergrad._src.capture.cost import Certified
@@ -51,10 +52,19 @@ def call_widened(
     the chunks, of ``sum_size()`` numbers in all (the layer's reduced parameters; asked only
     where chunks are considered); None: it gives per-example values ``(B, ...)``, put side by
     side."""
+    if not any(map(_is_narrow_float, _records_and(calls, args))):
+        return fn(layer, calls, *args)  # nothing to widen (float32, float64: most calls)
     chunk = _examples_per_chunk(calls, args, sum_size)
     if chunk is None:
         return fn(layer, widened_calls(calls), *(widen(a) for a in args))
     return _chunked(fn, layer, calls, args, chunk, sum_size is not None)
+
+
+def _records_and(calls: list[Any], args: tuple[Any, ...]) -> Iterator[Any]:
+    for call in calls:
+        yield from call.inputs
+        yield call.output_grad
+    yield from args
 
 
 def widen(x: Any) -> Any:
@@ -63,9 +73,17 @@ def widen(x: Any) -> Any:
 
 
 def _is_narrow_float(x: Any) -> bool:
+    """A tensor of a floating dtype narrower than float32 (float16, bfloat16, float8): one
+    set lookup, as this runs for every record of every rule call."""
+    return getattr(x, "dtype", None) in _narrow_floats()
+
+
+@functools.cache
+def _narrow_floats() -> frozenset[Any]:
     import torch
 
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() < 4
+    dtypes = (d for d in vars(torch).values() if isinstance(d, torch.dtype))
+    return frozenset(d for d in dtypes if d.is_floating_point and d.itemsize < 4)
 
 
 def widened_calls(calls: list[Any]) -> list[Any]:
