@@ -150,36 +150,6 @@ def floor_parts(
     }
 
 
-class WideTransformer(nn.Module):
-    """``workloads.TinyTransformer`` at another width and sequence length (4 heads,
-    feed-forward twice the width, vocabulary 1000, 10 classes)."""
-
-    def __init__(self, width: int, seq: int) -> None:
-        super().__init__()
-        self.width, self.heads = width, 4
-        self.embed = nn.Embedding(1000, width)
-        self.pos = nn.Embedding(seq, width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln1 = nn.LayerNorm(width)
-        self.ff1 = nn.Linear(width, 2 * width)
-        self.ff2 = nn.Linear(2 * width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t = x.shape
-        d, heads = self.width, self.heads
-        positions = torch.arange(t, device=x.device).expand(b, t)
-        h = self.embed(x) + self.pos(positions)
-        q, k, v = self.qkv(h).reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        weights = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1)
-        attended = (weights @ v).transpose(1, 2).reshape(b, t, d)
-        h = self.ln1(h + self.proj(attended))
-        h = self.ln2(h + self.ff2(F.relu(self.ff1(h))))
-        return self.head(h.mean(dim=1))
-
-
 def model_and_data(
     name: str, batch: int, width: int | None, seq: int | None
 ) -> tuple[nn.Module, Any, Any, str]:
@@ -189,8 +159,10 @@ def model_and_data(
         model, x, y = workloads.build(workload, batch)
         return model, torch.as_tensor(x), torch.as_tensor(y), f"{name} (B={batch})"
     torch.manual_seed(0)
-    model = WideTransformer(width, seq).eval()
-    x, y = workloads.tokens(1000, seq, 10)(np.random.default_rng(0), batch)
+    model = workloads.TinyTransformer(width, seq).eval()
+    x, y = workloads.tokens(workloads.VOCAB, seq, workloads.CLASSES)(
+        np.random.default_rng(0), batch
+    )
     label = f"{name} at width {width}, T={seq} (B={batch})"
     return model, torch.as_tensor(x), torch.as_tensor(y), label
 

@@ -134,31 +134,34 @@ VOCAB, SEQ_LEN, D_MODEL, HEADS, D_FF, CLASSES = 1000, 32, 64, 4, 128, 10
 
 
 class TinyTransformer(nn.Module):
-    """Token + position embeddings, one post-norm encoder layer, mean-pool, linear head.
+    """Token + position embeddings, one post-norm encoder layer, mean-pool, linear head
+    (``width`` and ``seq_len``: another width, the feed-forward layer twice it, and positions).
 
     Attention is written with ``nn.Linear`` layers (not ``nn.MultiheadAttention``) so that
     Opacus's hooks support every parameter.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = D_MODEL, seq_len: int = SEQ_LEN) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, D_MODEL)
-        self.pos = nn.Embedding(SEQ_LEN, D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
-        self.proj = nn.Linear(D_MODEL, D_MODEL)
-        self.ln1 = nn.LayerNorm(D_MODEL)
-        self.ff1 = nn.Linear(D_MODEL, D_FF)
-        self.ff2 = nn.Linear(D_FF, D_MODEL)
-        self.ln2 = nn.LayerNorm(D_MODEL)
-        self.head = nn.Linear(D_MODEL, CLASSES)
+        self.width = width
+        self.embed = nn.Embedding(VOCAB, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln1 = nn.LayerNorm(width)
+        self.ff1 = nn.Linear(width, D_FF * width // D_MODEL)
+        self.ff2 = nn.Linear(D_FF * width // D_MODEL, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.head = nn.Linear(width, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape
+        d = self.width
         positions = torch.arange(t, device=x.device).expand(b, t)
         h = self.embed(x) + self.pos(positions)
-        q, k, v = self.qkv(h).reshape(b, t, 3, HEADS, D_MODEL // HEADS).permute(2, 0, 3, 1, 4)
-        weights = torch.softmax(q @ k.transpose(-1, -2) / (D_MODEL // HEADS) ** 0.5, dim=-1)
-        attended = (weights @ v).transpose(1, 2).reshape(b, t, D_MODEL)
+        q, k, v = self.qkv(h).reshape(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / (d // HEADS) ** 0.5, dim=-1)
+        attended = (weights @ v).transpose(1, 2).reshape(b, t, d)
         h = self.ln1(h + self.proj(attended))
         h = self.ln2(h + self.ff2(F.relu(self.ff1(h))))
         return self.head(h.mean(dim=1))
