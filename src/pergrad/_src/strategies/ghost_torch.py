@@ -93,6 +93,7 @@ and :func:`layerwise`.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from pergrad._src.capture import (
@@ -204,17 +205,33 @@ def _route_costs(request: ReduceRequest, found: GhostPlan) -> cost.RouteCosts | 
         and cost.HOLD_FORMED
         and cost.FAST_NORMS
     )
-    holdable = (
-        frozenset(torch_held.candidate_layers(ownership(request.fn.model, params, found.layers)))
-        if held
-        else frozenset()
-    )
+    holdable = _holdable(request.fn, params, found.layers) if held else frozenset()
     works = torch_probe.layer_works(
         request.fn, found.layers, found.generic_size, request.args, holdable
     )
     if isinstance(works, str):
         return f"no estimate of materialising's cost: {works}"
     return cost.route_costs(request.call.batch_size, num_params, works)
+
+
+# The layers a DP step may hold, per loss and per (layers, differentiated parameters): the
+# ownership they come from walks the model (about 6 ms on a 12-layer GPT-2), and "auto" asks
+# at every step. Weakly held beside the losses, as torch_probe's shapes.
+_HOLDABLE: weakref.WeakKeyDictionary[ModuleLoss, dict[Any, frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _holdable(loss: ModuleLoss, params: dict[str, Any], layers: dict[str, str]) -> frozenset[str]:
+    """``torch_held.candidate_layers`` of this call's ownership, remembered per layout."""
+    remembered = _HOLDABLE.setdefault(loss, {})
+    key = (tuple(sorted(layers.items())), tuple(params))
+    if key not in remembered:
+        if len(remembered) >= 16:  # (the oldest dropped, as torch_probe's)
+            remembered.pop(next(iter(remembered)))
+        owners = ownership(loss.model, params, layers)
+        remembered[key] = frozenset(torch_held.candidate_layers(owners))
+    return remembered[key]
 
 
 def ghost(
