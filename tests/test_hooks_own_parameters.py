@@ -134,3 +134,29 @@ def test_an_output_changed_in_place_falls_back_once_and_no_parameter_hook_fires(
     assert not fired
     assert all(p.grad is None for p in model.parameters())
     handle.remove()
+
+
+def test_empty_batches_on_the_models_own_parameters(monkeypatch):
+    """An empty batch, twice (its layout checked, then light on the model's own parameters),
+    between full ones: zero rows of the right shapes, the full batches still the loop's, and
+    the model's parameters, buffers and ``.grad`` as they were."""
+    torch.manual_seed(0)
+    model = Net().double()
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    grads = pergrad.per_example_grads(loss, strategy="hooks")
+    passes = _count_own_passes(monkeypatch)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    empty = torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    for batch in (_data(1), empty, empty, _data(2), _data(3)):
+        got = grads(loss.params(), *batch)
+        if len(batch[0]):
+            _assert_close(
+                got, torch_module_loop_grads(model, F.cross_entropy, [batch[0]], [batch[1]])
+            )
+        else:
+            assert {k: v.shape for k, v in got.items()} == {
+                k: (0, *p.shape) for k, p in model.named_parameters()
+            }
+    assert len(passes) >= 2  # light calls took the model's own parameters
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
