@@ -283,19 +283,22 @@ def test_dp_transformers_benchmark_quick_run(tmp_path) -> None:
     lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # no header rows
     rows = {}
     for line in lines:
-        workload, method, strategy, ms, ratio, _, _, memory, note = (
+        workload, method, strategy, ms, ratio, _, _, _, working, extra, note = (
             cell.strip() for cell in line.split("|")[1:-1]
         )
-        rows[(workload.split(" T=")[0], method)] = (strategy, ms, ratio, memory, note)
+        rows[(workload.split(" T=")[0], method)] = (strategy, ms, ratio, extra, note, working)
     models = {"GPT-2", "BERT", "Llama", "T5", "ViT"}
     methods = {"non-private", "pergrad DP", "pergrad low-memory", "Opacus hooks", "Opacus ghost"}
     assert set(rows) == {(model, method) for model in models for method in methods}
     assert rows[("GPT-2", "Opacus ghost")][4].startswith("refuses: NotImplementedError")
     for model in models:
         assert rows[(model, "non-private")][2:4] == ("1.00x", "1.00x")
-        strategy, ms, ratio, memory, note = rows[(model, "pergrad DP")]
+        # the tiny models' later steps need next to no working memory: its ratio may be "—"
+        assert rows[(model, "non-private")][5] in ("1.00x", "—")
+        strategy, ms, ratio, extra, note, working = rows[(model, "pergrad DP")]
         assert strategy in ("ghost", "chunked", "materialize") and not note, (model, note)
-        assert float(ms) > 0 and ratio.endswith("x") and memory.endswith("x")
+        assert float(ms) > 0 and ratio.endswith("x") and extra.endswith("x")
+        assert working.endswith("x") or working == "—"
         assert rows[(model, "pergrad low-memory")][0] == "ghost-lowmem", model
     assert rows[("T5", "pergrad DP")][0] == "ghost"
     assert "pergrad's DP step within 1.15x the time and 1.1x the memory" in text
