@@ -49,9 +49,9 @@ training loop does:
 All: ``max_norm=1``, ``noise_multiplier=1``, expected batch size = the batch, one fixed batch.
 Before timing, each private method's gradient without noise is checked against the one of
 ``vmap by hand`` (computed for the check when ``--methods`` leaves it out) on the same workload
-(relative difference of the whole gradient, at most ``--agreement``, 1e-4 by default: pergrad's
-certified norms clip by their rounding bound as well, which grows with the sequence, about 5e-4
-of the gradient at 512 tokens): a method that disagrees is reported, not timed. Time: every
+(relative difference of the whole gradient, at most ``--agreement``, 1e-3 by default: pergrad's
+certified norms clip by their rounding bound as well, which grows with the sequence: 1.3e-4 of
+the gradient at the default 128 tokens, about 5e-4 at 512): a method that disagrees is reported, not timed. Time: every
 step compiled and run once first, then the median of ``--rounds`` interleaved rounds
 (:func:`pergrad.bench.timing.time_interleaved`); the ratio is the median of the per-round ratios
 to the non-private step. Memory, two views:
@@ -109,7 +109,7 @@ RECORDS_HELD = "pergrad ghost, records held"
 PERGRAD = ("pergrad ghost", "pergrad auto", "pergrad optax")
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
 MAX_NORM, NOISE, LEARNING_RATE = 1.0, 1.0, 1e-3
-AGREEMENT = 1e-4  # the largest relative difference from the hand-written step's gradient
+AGREEMENT = 1e-3  # the largest relative difference from the hand-written step's gradient
 JOB_TIMEOUT_S = 900  # one job (a workload's timing, or one method's memory) at most
 
 
@@ -752,7 +752,7 @@ def main() -> None:
         default=AGREEMENT,
         help=f"the largest relative difference from {REFERENCE!r}'s gradient (default "
         f"{AGREEMENT:g}); pergrad's certified norms clip by their rounding bound too, which "
-        "grows with --length (about 5e-4 of the gradient at 512 tokens)",
+        "grows with --length (1.3e-4 of the gradient at 128 tokens, about 5e-4 at 512)",
     )
     parser.add_argument("--out", type=Path, help="write the markdown here")
     args = parser.parse_args()
