@@ -21,6 +21,8 @@ gradients, and the per-layer rules that reduce those records per example.
   (``capture``; the low-memory mode's ``second_pass``).
 - ``torch_held.py``: the one-pass DP step's layers held as their formed per-example gradients
   where those are smaller than their output gradients (reduced in the backward pass's hooks).
+- ``torch_held_tied.py``: the same for a tied parameter (GPT-2's token table and LM head): its
+  uses' terms summed into one held per-example gradient as each use completes.
 - ``torch_quantities.py``: the per-layer reductions over a pass's records (squared norms, tied
   norms, formed per-example gradients, weighted sums, plug-in reductions).
 - ``torch_verify.py``: the first call's verification of a captured pass (row-local output

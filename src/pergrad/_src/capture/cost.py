@@ -57,6 +57,11 @@ DEFERRED_READS = True
 # benchmark's baseline (benchmarks/dp_transformers.py --records-held; PyTorch reads it at each
 # call, JAX when the step is traced: strategies/ghost_jax._held).
 HOLD_FORMED = True
+# True: a tied parameter (GPT-2's token table and LM head) is held likewise where that is
+# smaller, its uses' terms summed as they complete (capture/torch_held_tied.py); False: its
+# uses keep their records and their cross terms, as before, for a benchmark's baseline (read
+# at each call; HOLD_FORMED off turns it off too).
+HOLD_TIED = True
 
 # Reading on the host which examples' certified norms need float64 stalls it until an
 # accelerator has caught up: about this many float32 multiply-adds of a matrix product
@@ -308,7 +313,8 @@ class LayerWork(NamedTuple):
         norm layers, embeddings; work linear in the output), or ``"held"`` (a DP step's layer
         held as its formed per-example gradients, ``capture/torch_held.py``: its norms and
         its share of the clipped sum are materialising's work on its ``numbers``, the weight
-        gradient its sum would otherwise take saved; one for all the layer's calls).
+        gradient its sum would otherwise take saved; one for all the layer's calls, or for all
+        the calls of the layers using one tied parameter, ``capture/torch_held_tied.py``).
       positions: ``T``, positions per example (conv output positions, tokens).
       widths: ``(p, q)`` per group for ``"dense"``; ``(output numbers per example,)`` for
         ``"light"``.
@@ -358,7 +364,9 @@ MATERIALIZED_MEMORY = 2
 
 def held_norm_work(calls: list[LayerWork]) -> float:
     """The norm work per example of a layer a DP step holds as its formed per-example
-    gradients (``capture/torch_held.py``), from its ``calls``' works: a dense layer's calls
+    gradients (``capture/torch_held.py``; or of the layers using one tied parameter, held as
+    one, ``capture/torch_held_tied.py``: an LM head and its token table, whose lookups add
+    their output gradients' numbers), from its ``calls``' works: a dense layer's calls
     cost materialising's work on its numbers (forming them is a weight gradient's products,
     and its share of the clipped sum, ``B P`` multiply-adds, saves the weight gradient the sum
     would take); a convolution formed over its positions or a light layer, what its calls cost

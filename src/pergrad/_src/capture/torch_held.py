@@ -20,7 +20,9 @@ For layers that share no parameter and whose every parameter is differentiated (
 weight's gradient would be formed for nothing); on a layout's first run too, its row check then
 comparing the dropped output gradients' row summaries, so that the first step's peak is the
 later steps'. A layer whose rule fails here keeps its records and is reduced
-after the pass as in the one-pass mode, which raises the error.
+after the pass as in the one-pass mode, which raises the error. A tied parameter (GPT-2's token
+table and LM head) is held likewise, its uses' terms summed into one per-example gradient as
+each use completes (``torch_held_tied.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from pergrad._src.capture import torch_checks, torch_norms
+from pergrad._src.capture import torch_checks, torch_held_tied
 from pergrad._src.capture.rules import layer_parameters, rule_for
 from pergrad._src.capture.torch_engine import LayerRecord, layer_calls
 from pergrad._src.capture.torch_plan import Ownership
@@ -39,13 +41,16 @@ from pergrad._src.capture.torch_session import CapturedPass, CompleteFn, when_co
 def arm(session: CapturedPass, computed: dict[str, dict[str, Any]], first_run: bool) -> None:
     """Arm the backward pass that follows: each candidate layer whose formed per-example
     gradients are no larger than its output gradients is reduced to them in its tensor hook
-    (into ``session.held``, its norms into ``computed``) and its records dropped. On a
+    (into ``session.held``, its norms into ``computed``) and its records dropped, and each tied
+    parameter likewise as its uses complete (``torch_held_tied.arm``). On a
     layout's ``first_run`` each dropped output gradient leaves its row summary in
     ``session.summaries``, which the layout's row check then compares (as the low-memory
     mode's do); the held values are used only once the checks have passed."""
-    candidates = candidate_layers(session.owners)
+    owners = session.owners
+    alone = {n: m for n, m in candidate_layers(owners).items() if n not in owners.sharing}
     summaries = session.summaries if first_run else None
-    when_complete(candidates, session.records, _held_if_smaller(session, computed, summaries))
+    when_complete(alone, session.records, _held_if_smaller(session, computed, summaries))
+    torch_held_tied.arm(session, computed, summaries)
 
 
 def disarm(session: CapturedPass) -> None:
@@ -57,13 +62,17 @@ def disarm(session: CapturedPass) -> None:
 
 
 def candidate_layers(owners: Ownership) -> dict[str, nn.Module]:
-    """The layers a DP step may hold as their formed per-example gradients: those that share
-    no parameter and whose every parameter is differentiated (also the route choice's
-    question, ``cost.route_costs``)."""
+    """The layers a DP step may hold as their formed per-example gradients (also the route
+    choice's question, ``cost.route_costs``): those that share no parameter and whose every
+    parameter is differentiated, and the uses of each tied parameter that every layer using
+    it holds as its only parameter (``torch_held_tied.holdable_ties``: held together, as one
+    per-example gradient)."""
+    tied = {layer for uses in torch_held_tied.holdable_ties(owners).values() for layer in uses}
     return {
         name: module
         for name, module in owners.modules.items()
-        if name not in owners.sharing and _all_differentiated(owners, name, module)
+        if name in tied
+        or (name not in owners.sharing and _all_differentiated(owners, name, module))
     }
 
 
@@ -93,17 +102,12 @@ def _held_if_smaller(
         if formed_numbers(module, session.batch_size) > held:
             return False
         grads = rule_for(module).per_example(module, calls)
-        norms = {attr: torch_norms.formed_squared_norms(g) for attr, g in grads.items()}
+        norms = {attr: torch_held_tied.held_squared_norms(g) for attr, g in grads.items()}
         named = dict(session.owners.named(module_name, grads))
         # all at once, nothing before: a failure above leaves the layer to the one-pass mode
         computed[module_name] = norms
         session.held.update({name: g.detach() for name, g in named.items()})
-        if summaries is not None:
-            for r in layer_records:
-                if r.output_grad is not None:
-                    summaries[id(r)] = torch_checks.summarize_rows(r.output_grad)
-        for r in layer_records:  # the inputs are autograd's alone now
-            r.inputs, r.input_versions = (), ()
+        torch_held_tied.drop_records(layer_records, summaries)
         return True
 
     return complete

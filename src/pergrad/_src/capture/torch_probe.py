@@ -60,7 +60,8 @@ def layer_works(
 
     ``holdable``: the layers a DP step may hold as their formed per-example gradients
     (``capture/torch_held.py``); each of them whose parameters are no more numbers than its
-    calls' outputs, as there, is one ``"held"`` work instead of its calls'."""
+    calls' outputs, as there, is one ``"held"`` work instead of its calls', and the uses of a
+    tied parameter held together (``torch_held_tied.py``) one for all of theirs."""
     unknown = sorted({rule for rule in layers.values() if not _known(rule)})
     if unknown:
         return f"no work estimate for the rule(s) {unknown}"
@@ -79,8 +80,8 @@ def layer_works(
     works = [
         (name, _work(loss.model.get_submodule(name), layers[name], out)) for name, out in shapes
     ]
-    held = _held_layers(works, holdable)
-    kept = [work for name, work in works if name not in held]
+    held = _held_layers(loss.model, works, holdable)
+    kept = [work for name, work in works if not any(name in group for group in held)]
     kept += held.values()
     if generic_size:
         kept.append(LayerWork("formed", 1, (), 1, generic_size))
@@ -88,20 +89,34 @@ def layer_works(
 
 
 def _held_layers(
-    works: list[tuple[str, LayerWork]], holdable: frozenset[str]
-) -> dict[str, LayerWork]:
-    """Layer -> its ``"held"`` work, for each ``holdable`` layer whose per-example gradients are
-    no more numbers than its calls' output gradients (``torch_held``'s test, per example):
-    ``numbers`` its parameters', ``norm_work`` its calls' (``cost.held_norm_work``)."""
+    model: nn.Module, works: list[tuple[str, LayerWork]], holdable: frozenset[str]
+) -> dict[frozenset[str], LayerWork]:
+    """The layers held together (one, or the uses of one tied parameter) -> their ``"held"``
+    work (``numbers`` their parameters', ``norm_work`` all their calls',
+    ``cost.held_norm_work``), for each group of ``holdable`` layers whose per-example
+    gradients are no more numbers than the output gradients of the group's first layer to
+    complete in the backward pass, the one whose first call comes last (``torch_held``'s and
+    ``torch_held_tied``'s test, per example)."""
+    groups: dict[tuple[int, ...], list[str]] = {}
     calls: dict[str, list[LayerWork]] = {}
-    for name, work in works:
-        if name in holdable:
-            calls.setdefault(name, []).append(work)
-    return {
-        name: LayerWork("held", 1, (), 1, its[0].numbers, cost.held_norm_work(its))
-        for name, its in calls.items()
-        if its[0].numbers <= sum(map(cost.layer_output_numbers, its))
-    }
+    first_call: dict[str, int] = {}
+    for k, (name, work) in enumerate(works):
+        if name not in holdable:
+            continue
+        if name not in calls:
+            params = model.get_submodule(name).parameters(recurse=False)
+            groups.setdefault(tuple(sorted(map(id, params))), []).append(name)
+        calls.setdefault(name, []).append(work)
+        first_call.setdefault(name, k)  # (a layer completes at its first call's gradient)
+    held = {}
+    for names in groups.values():
+        first = max(names, key=first_call.__getitem__)
+        group_calls = [work for name in names for work in calls[name]]
+        if group_calls[0].numbers <= sum(map(cost.layer_output_numbers, calls[first])):
+            held[frozenset(names)] = LayerWork(
+                "held", 1, (), 1, group_calls[0].numbers, cost.held_norm_work(group_calls)
+            )
+    return held
 
 
 def _known(rule: str) -> bool:

@@ -5,7 +5,8 @@ gradients (``torch_engine.layer_calls``) into:
 
 - per-example squared norms of its parameters (:func:`squared_norms`). A tied parameter's adds
   each use's norms and the cross terms of every pair (``torch_tied.py``, in float64, and from
-  float64 copies of the calls where some example's uses nearly cancel); a generic unit's or a
+  float64 copies of the calls where some example's uses nearly cancel; a DP step's held tied
+  parameter's, from its formed sum: ``torch_held_tied.py``); a generic unit's or a
   position-bias table's come from their formed per-example gradients (:func:`formed_gradients`);
 - the weighted sum ``sum_i w_i g_i`` of its parameters' per-example gradients
   (:func:`weighted_sums`; for a linear layer one matrix product, the cost of its ordinary
@@ -31,6 +32,7 @@ from torch import nn
 from pergrad._src.capture import (
     cost,
     torch_generic,
+    torch_held_tied,
     torch_norms,
     torch_position_bias,
     torch_tied,
@@ -93,6 +95,8 @@ def squared_norms(session: CapturedPass, computed: dict[str, dict[str, Any]]) ->
     ``cost.DEFERRED_READS`` off (each layer reads where it runs). Whether every norm is finite
     is known from the same read unless the tied parameters' norms are computed again or a
     tightened norm could overflow (``all_finite`` None: ``ghost_torch`` reads it)."""
+    # a held tied parameter whose uses did not all complete in their hooks: the rest now
+    torch_held_tied.finish(session, computed)
     owners = session.owners
     rest = {
         n: m for n, m in owners.modules.items() if n not in owners.sharing and n not in computed
@@ -297,6 +301,8 @@ def _tied_pass(
                 if name not in owners.tied:
                     result[name] = value.to(params[name].dtype)
         for name, uses in owners.tied.items():
+            if name in session.held:  # its norms are its formed sum's (torch_held_tied.py)
+                continue
             present = [(owner, attribute) for owner, attribute in uses if owner in own]
             if present:
                 terms, bounds = zip(*(cost.split(own[o][a]) for o, a in present))

@@ -28,6 +28,10 @@ model's dtype is kept.
     uses = [Use(model.emb, "weight", emb_calls), Use(model.head, "weight", head_calls)]
     total = tied_squared_norms(uses, [emb_norms, head_norms])   # (B,) float64
     well_conditioned(total, [emb_norms, head_norms])            # else: widened(...) and again
+
+A DP step whose tied parameter's formed per-example gradient is no larger than its LM head's
+output gradients holds that instead, the uses' terms summed in the backward pass, and takes its
+norms from the sum: no cross terms (``torch_held_tied.py``).
 """
 
 from __future__ import annotations
