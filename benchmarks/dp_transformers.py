@@ -545,17 +545,17 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
 @contextlib.contextmanager
 def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
     """Where pergrad's extra memory goes: the ghost step's layer records, held from the backward
-    pass until every layer's norm is known, summed into ``inventory`` (MiB, each storage once):
-    the output gradients (and the largest layer's), and the layer inputs (partly tensors that
-    autograd keeps anyway, for the backward pass)."""
+    pass until every layer's norm is known, summed into ``inventory`` (MiB, each storage once)
+    as the clipped sum starts: the output gradients (and the largest layer's), and the layer
+    inputs (partly tensors that autograd keeps anyway, for the backward pass)."""
     from pergrad._src.capture import torch_quantities  # where the ghost step reads its records
 
-    per_layer = torch_quantities._per_layer
+    weighted_sums = torch_quantities.weighted_sums
 
-    def counting(modules: Any, records: Any, *args: Any) -> Any:
+    def counting(session: Any, *args: Any) -> Any:
         if not inventory:
             grads, inputs, largest = {}, {}, ("", 0)
-            for name, layer_records in records.items():
+            for name, layer_records in session.records.items():
                 size = 0
                 for record in layer_records:
                     if record.output_grad is not None:
@@ -570,13 +570,13 @@ def recorded_bytes(inventory: dict[str, Any]) -> Iterator[None]:
             inventory["grad_records_mib"] = sum(grads.values()) / 2**20
             inventory["input_records_mib"] = sum(inputs.values()) / 2**20
             inventory["largest_grad_record"] = (largest[0], largest[1] / 2**20)
-        return per_layer(modules, records, *args)
+        return weighted_sums(session, *args)
 
-    torch_quantities._per_layer = counting
+    torch_quantities.weighted_sums = counting
     try:
         yield
     finally:
-        torch_quantities._per_layer = per_layer
+        torch_quantities.weighted_sums = weighted_sums
 
 
 # The low-memory mode's phases: pergrad's function (in capture/torch_passes) that ends each

