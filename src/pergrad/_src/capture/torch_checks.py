@@ -34,6 +34,7 @@ examples only (its rows cannot be told apart).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -150,22 +151,33 @@ def records_signature(records: dict[str, list[Any]], batch_size: int) -> tuple[A
 
 
 def _signature(x: Any, batch_size: int) -> Any:
-    if isinstance(x, torch.Tensor):
+    kind = type(x)
+    if kind is torch.Tensor or isinstance(x, torch.Tensor):
         return (marked(x.shape, batch_size), x.dtype, x.requires_grad)
+    if x is None or kind in _PLAIN:
+        return x
     if isinstance(x, (tuple, list)):
         return tuple(_signature(v, batch_size) for v in x)
     if isinstance(x, dict):
         return tuple((k, _signature(v, batch_size)) for k, v in x.items())
-    if dataclasses.is_dataclass(x):
-        return (
-            type(x).__name__,
-            tuple(
-                _signature(getattr(x, f.name), batch_size)
-                for f in dataclasses.fields(x)
-                if f.name not in _UNSHAPED
-            ),
-        )
-    return x if x is None or isinstance(x, (bool, int, float, str)) else type(x).__name__
+    names = _shaped_fields(kind)
+    if names is not None:
+        return (kind.__name__, tuple(_signature(getattr(x, name), batch_size) for name in names))
+    return x if isinstance(x, (bool, int, float, str)) else kind.__name__
+
+
+# Python's plain values, which describe themselves (their subclasses are asked with isinstance)
+_PLAIN = frozenset({bool, int, float, str})
+
+
+@functools.cache
+def _shaped_fields(kind: type) -> tuple[str, ...] | None:
+    """A dataclass's fields that describe the layout (not in ``_UNSHAPED``), or None for any
+    other class. Records are a few dataclasses, signed a few dozen times a call: asked once
+    per class (``dataclasses.fields`` costs a microsecond a record)."""
+    if not dataclasses.is_dataclass(kind):
+        return None
+    return tuple(f.name for f in dataclasses.fields(kind) if f.name not in _UNSHAPED)
 
 
 def is_checked(loss: Any, schedule: str, key: tuple[Any, ...], signature: tuple[Any, ...]) -> bool:

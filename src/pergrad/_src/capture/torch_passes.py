@@ -75,7 +75,9 @@ def capture(
     key = torch_checks.layout_key(
         session.params, [x for xs in call.leaves[1:] for x in xs], call.batch_size
     )
-    signature = torch_checks.records_signature(session.captured(), call.batch_size)
+    signature = session.signature  # (read by forward where it ran on the model's own parameters)
+    if signature is None:
+        signature = torch_checks.records_signature(session.captured(), call.batch_size)
     checked = torch_checks.is_checked(loss, "ghost", key, signature)
     weighted = None
     if not (checked or retain) and call.batch_size > 1:  # (one example: every row is its own)

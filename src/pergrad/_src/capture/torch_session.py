@@ -2,11 +2,13 @@
 
 :func:`forward` runs the model ONCE on the whole batch (``functional_call`` with fresh leaf
 tensors for the parameters, so the model's own tensors, ``.grad`` fields and flags are never
-touched) under the hooks of ``torch_engine.py`` (layers with a rule), ``torch_generic.py``
-(generic units) and ``torch_position_bias.py`` (position-bias tables), and gives each example's
-loss (``torch.func.vmap`` over the output's rows, the ``unsqueeze(0)`` that ``module_loss``
-does). The backward passes that follow (``torch_passes.py``) fill each record's output
-gradient; the reductions (``torch_quantities.py``) and the first call's checks
+touched; on a checked layout's later runs, where ``params`` are views of the model's own
+parameters, the model itself, differentiated with ``torch.autograd.grad`` only:
+:func:`own_leaves`) under the hooks of ``torch_engine.py`` (layers with a rule),
+``torch_generic.py`` (generic units) and ``torch_position_bias.py`` (position-bias tables), and
+gives each example's loss (``torch.func.vmap`` over the output's rows, the ``unsqueeze(0)`` that
+``module_loss`` does). The backward passes that follow (``torch_passes.py``) fill each record's
+output gradient; the reductions (``torch_quantities.py``) and the first call's checks
 (``torch_verify.py``) read them from the :class:`CapturedPass`.
 
 What the backward passes differentiate (:attr:`CapturedPass.light`) reaches every hooked
@@ -23,6 +25,7 @@ outputs.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ from pergrad._src.capture import (
     torch_checks,
     torch_compiled,
     torch_generic,
+    torch_own,
     torch_position_bias,
 )
 from pergrad._src.capture.rules import layer_parameters, rule_for
@@ -90,6 +94,8 @@ class CapturedPass:
         pass compare these.
       pending_key: the layout whose first-call checks the low-memory mode's second pass still
         owes (None: none).
+      signature: the records' ``torch_checks.records_signature``, where :func:`forward` has
+        read it (a pass on the model's own parameters; None: not read).
     """
 
     diff: list[torch.Tensor]
@@ -108,6 +114,7 @@ class CapturedPass:
     summaries: dict[int, torch_checks.RowSummary] = field(default_factory=dict)
     pending_key: Any = None
     loss_values: torch.Tensor | None = None
+    signature: Any = None
 
     @functools.cached_property
     def position(self) -> dict[int, int]:
@@ -158,22 +165,94 @@ def forward(
     """The batched forward pass with every layer of ``layers`` (module name -> rule, as
     ``torch_plan.plan`` gives) hooked, and the per-example losses. ``compiled``: a
     ``torch.compile`` d model may be captured in whole graphs (``torch_compiled.capture``;
-    its records give only the output gradients and inputs: no weight gradient follows)."""
+    its records give only the output gradients and inputs: no weight gradient follows).
+
+    A later run of a checked layout runs the model on its own parameters where ``params`` are
+    views of them (:func:`own_leaves`), without ``functional_call``; its records must then
+    have a checked signature too, else the pass is run again with fresh leaves (a first run's
+    backward pass writes its leaves' ``.grad``, ``torch_verify.batch_gradient``)."""
+    refuse_batch_mixing_layers(loss.model, spec.func_name)
+    own = own_leaves(call, loss)
+    if own is not None:
+        leaves, key = own
+        session = _forward(spec, call, loss, layers, compiled, leaves)
+        signature = torch_checks.records_signature(session.captured(), call.batch_size)
+        if torch_checks.is_checked(loss, "ghost", key, signature):
+            session.signature = signature
+            return session
+        call.backend.set_rng_state(session.rng)  # (the same random draws)
+        del session
+    return _forward(spec, call, loss, layers, compiled, None)
+
+
+#: Whether later runs of a checked layout may run the model on its own parameters
+#: (:func:`own_leaves`); a switch for the benchmarks that compare the two.
+OWN_PARAMETERS = True
+
+
+def own_leaves(call: Call, loss: ModuleLoss) -> tuple[list[torch.Tensor], Any] | None:
+    """The model's own parameters, in the order of ``call.diff_positions``, where the forward
+    pass may run on them, and the call's ``torch_checks.layout_key`` (else None: fresh
+    leaves): the parameters are one dict of names, each a view of the model's own parameter
+    that ``torch_own.own_parameters_to_differentiate`` accepts; the ghost strategy has checked
+    the call's layout (a first run's checks write its leaves' ``.grad``); the model is not a
+    ``torch.compile`` d one (whose graphs run on ``functional_call`` s parameters,
+    ``torch_compiled.py``); no ``torch.autocast`` is on (``torch_own.autocast_on``)."""
+    if not OWN_PARAMETERS or torch_compiled.is_compiled(loss.model):
+        return None
+    leaves, treedef = call.leaves[0], call.treedefs[0]
+    if torch_own.autocast_on(leaves):
+        return None
+    if len(call.diff_positions) != len(leaves) or any(i != 0 for i, _ in call.diff_positions):
+        return None
+    if getattr(treedef, "type", None) is dict and len(treedef.context) == treedef.num_leaves:
+        params = dict(zip(treedef.context, leaves))  # (a flat dict, as the plan requires)
+    else:
+        params = call.backend.unflatten(treedef, leaves)
+    if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
+        return None
+    arguments = [x for xs in call.leaves[1:] for x in xs]
+    key = torch_checks.layout_key(params, arguments, call.batch_size)
+    if not torch_checks.has_checked(loss, "ghost", key):
+        return None
+    mine = torch_own.own_parameters_to_differentiate(loss.model, params)
+    names = {id(value): name for name, value in params.items()}
+    if mine is None or len(names) < len(params):  # (one tensor under two names)
+        return None
+    return [mine[names[id(leaves[j])]] for _, j in call.diff_positions], key
+
+
+def _forward(
+    spec: Spec,
+    call: Call,
+    loss: ModuleLoss,
+    layers: dict[str, str],
+    compiled: bool,
+    own: list[torch.Tensor] | None,
+) -> CapturedPass:
+    """:func:`forward`'s pass, on the model's own parameters ``own`` (None: fresh leaves and
+    ``functional_call``)."""
     model = loss.model
-    refuse_batch_mixing_layers(model, spec.func_name)
     batch_size = call.batch_size
-    diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
+    if own is None:
+        diff = [call.leaves[i][j].detach().requires_grad_(True) for i, j in call.diff_positions]
+    else:
+        diff = own
     batched = [call.leaves[i][j] for i, j in call.batched_positions]
     args = call.rebuild(diff, batched)
     params = args[0]
     inputs, targets, target_dims = model_and_loss_arguments(call, args, loss.num_inputs, batch_size)
-    owners = ownership(model, params, layers)
+    owners = _remembered_ownership(loss, params, layers)
     # Each generic unit's smallest parameter (and below, each layer's bias or output):
     # differentiating these reaches every output gradient at almost no cost of its own.
     unit_light = [
         min((params[full] for full in names.values()), key=lambda p: p.numel())
         for names in owners.unit_parameters.values()
     ] + [params[weight] for weight in owners.tables.values()]  # a table: buckets x heads numbers
+    smallest = {
+        name: _smallest_parameter(owners, name, module, params)
+        for name, module in owners.modules.items()
+    }
     rng = call.backend.rng_state()
     with torch.enable_grad():
         # a torch.compile'd model, its layout checked: the records from whole graphs
@@ -184,18 +263,18 @@ def forward(
         else:
             with (
                 capturing(owners.modules, batch_size) as records,
-                _outputs_let_go(owners, params, records),
+                _outputs_let_go(owners, smallest, records),
                 torch_generic.capturing_units(owners.units, batch_size) as unit_records,
                 torch_position_bias.capturing(
                     model, list(owners.tables), batch_size
                 ) as bias_records,
             ):
-                output = loss.forward(params, inputs)
+                output = loss.forward(params if own is None else None, inputs)
         losses = per_example_losses(spec, loss, output, targets, target_dims, batch_size)
     if in_graphs is not None:  # the probes' gradients are the output gradients
         light = in_graphs.probes
     else:
-        light = _light_targets(owners, records, params) + unit_light
+        light = _light_targets(owners, records, smallest) + unit_light
     for layer_records in records.values():
         for record in layer_records:  # the output is the graph's now (or a light target): an
             record.output = record.light_input = None  # LM head's logits are freed early
@@ -214,8 +293,45 @@ def forward(
     )
 
 
+# Each loss's last ownerships of its parameters, under the model's structure they were worked
+# out from (see _remembered_ownership).
+_OWNERSHIP: weakref.WeakKeyDictionary[ModuleLoss, dict[Any, Ownership]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _remembered_ownership(
+    loss: ModuleLoss, params: dict[str, torch.Tensor], layers: dict[str, str]
+) -> Ownership:
+    """``torch_plan.ownership`` of this call, kept on the loss under what it depends on, read
+    afresh at each call: the parameter names, the plan's layers, every module (name, object,
+    class, rule) and every parameter (name, object). Working it out walks the model (0.2 ms a
+    call on the bench transformer, 4% of its batch gradient); reading the structure, a tenth
+    of that. (A module or parameter replaced under the same name is another object: the
+    ownership kept holds the modules it names, so their ids are not reused meanwhile.)"""
+    model = loss.model
+    key = (
+        tuple(params),
+        tuple(layers.items()),
+        tuple(
+            (name, id(m), type(m), id(rule_for(m)))
+            for name, m in model.named_modules(remove_duplicate=False)
+        ),
+        tuple((name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)),
+    )
+    kept = _OWNERSHIP.setdefault(loss, {})
+    found = kept.get(key)
+    if found is None:
+        if len(kept) >= 8:  # (the oldest dropped)
+            kept.pop(next(iter(kept)))
+        found = kept[key] = ownership(model, params, layers)
+    return found
+
+
 def _light_targets(
-    owners: Ownership, records: dict[str, list[LayerRecord]], params: dict[str, torch.Tensor]
+    owners: Ownership,
+    records: dict[str, list[LayerRecord]],
+    smallest_parameters: dict[str, torch.Tensor | None],
 ) -> list[torch.Tensor]:
     """What to differentiate so that the backward pass reaches every hooked layer's output
     and computes no weight gradient: a layer's vector parameter (a bias, a norm's scale) if
@@ -225,10 +341,11 @@ def _light_targets(
     output's, B x T x vocabulary numbers, would be returned and held), else its output, as long
     as no in-place op has changed them since (their hooks would not fire), else its smallest
     parameter; a lookup table of fewer numbers than its outputs, its weight
-    (:func:`_table_is_lighter`)."""
+    (:func:`_table_is_lighter`). ``smallest_parameters``: each layer's
+    (:func:`_smallest_parameter`)."""
     chosen: dict[int, torch.Tensor] = {}
     for module_name, module in owners.modules.items():
-        smallest = _smallest_parameter(owners, module_name, module, params)
+        smallest = smallest_parameters[module_name]
         if smallest is None:
             continue
         layer_records = records[module_name]
@@ -287,7 +404,9 @@ def _smallest_parameter(
 
 @contextmanager
 def _outputs_let_go(
-    owners: Ownership, params: dict[str, torch.Tensor], records: dict[str, list[LayerRecord]]
+    owners: Ownership,
+    smallest_parameters: dict[str, torch.Tensor | None],
+    records: dict[str, list[LayerRecord]],
 ) -> Iterator[None]:
     """Forward hooks, run after the capture's, that let go of each call's recorded output (and
     the input kept beside it) as soon as the call returns, for the layers whose light target
@@ -295,14 +414,24 @@ def _outputs_let_go(
     Held to the end of the forward pass, they would add to its peak every such output that
     autograd does not keep itself (an attention block's output projection, a residual
     branch's last linear layer): BERT's (4 layers, width 256, T=128, B=16) forward pass
-    peaked 14 MiB higher (134 against 120 MiB above the step's baseline)."""
-    handles = []
-    for module_name, module in owners.modules.items():
-        smallest = _smallest_parameter(owners, module_name, module, params)
-        if smallest is not None and smallest.dim() < 2:
-            # (untraced, as the capture's own hook: see torch_engine.capturing)
-            let_go = torch.compiler.disable(functools.partial(_let_go, records[module_name]))
-            handles.append(module.register_forward_hook(let_go))
+    peaked 14 MiB higher (134 against 120 MiB above the step's baseline).
+    ``smallest_parameters``: each layer's (:func:`_smallest_parameter`)."""
+    records_of = {
+        id(module): records[module_name]
+        for module_name, module in owners.modules.items()
+        if (smallest := smallest_parameters[module_name]) is not None and smallest.dim() < 2
+    }
+    if not records_of:
+        yield
+        return
+    # one untraced hook for all (as the capture's own: see torch_engine.capturing; wrapping
+    # costs about 10 us, a tenth of a small layer's call)
+    let_go = torch.compiler.disable(functools.partial(_let_go, records_of))
+    handles = [
+        module.register_forward_hook(let_go)
+        for module in owners.modules.values()
+        if id(module) in records_of
+    ]
     try:
         yield
     finally:
@@ -310,8 +439,11 @@ def _outputs_let_go(
             handle.remove()
 
 
-def _let_go(layer_records: list[LayerRecord], module: nn.Module, args: Any, output: Any) -> None:
+def _let_go(
+    records_of: dict[int, list[LayerRecord]], module: nn.Module, args: Any, output: Any
+) -> None:
     """The hook of :func:`_outputs_let_go`: the call just recorded keeps its inputs only."""
+    layer_records = records_of[id(module)]
     if layer_records:
         layer_records[-1].output = layer_records[-1].light_input = None
 

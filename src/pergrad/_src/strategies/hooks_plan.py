@@ -1,7 +1,8 @@
 """What the ``"hooks"`` strategy (``hooks_torch.py``) must watch, worked out without running
 anything: for each differentiated parameter the layers that use it, whether each has a rule
 that can give its per-example gradients (:func:`plan`), and whether ``params`` are the model's
-own parameters (:func:`views_of`), which the strategy's light passes run the model on."""
+own parameters (``capture/torch_own.views_of``), which the strategy's light passes run the model
+on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from pergrad._src.capture.rules import rule_for
+from pergrad._src.capture.torch_own import views_of
 from pergrad._src.capture.torch_plan import uses_and_aliases
 from pergrad._src.core.call import Spec
 from pergrad._src.core.module_loss import ModuleLoss
@@ -116,24 +118,3 @@ def _ownership(
 def own_parameters(loss: ModuleLoss, params: dict[str, torch.Tensor]) -> bool:
     """Whether ``params`` are views of the model's own parameters (as ``loss.params()`` gives)."""
     return views_of(params, dict(loss.model.named_parameters(remove_duplicate=False)))
-
-
-def views_of(
-    params: dict[str, torch.Tensor], own: dict[str, torch.Tensor], requiring_grad: bool = False
-) -> bool:
-    """Whether each of ``params`` is a view of the parameter of the same name in ``own``, the
-    whole of it (same storage, offset, shape, strides and dtype; with ``requiring_grad``: of
-    one that requires grad). Plain tensors only: a tensor subclass (FSDP's ``DTensor``) may
-    have no storage of its own to compare."""
-    for name, value in params.items():
-        mine = own.get(name)
-        if (
-            mine is None
-            or type(value) is not torch.Tensor
-            or type(mine) not in (torch.Tensor, nn.Parameter)
-            or not value.is_set_to(mine)
-            or value.dtype != mine.dtype
-            or (requiring_grad and not mine.requires_grad)
-        ):
-            return False
-    return True
