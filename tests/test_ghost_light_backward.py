@@ -78,3 +78,67 @@ def test_bias_free_layers_differentiate_their_outputs_not_their_weights(in_place
     want = reference_clipped_sum(model, ids, 0.1)
     for name, value in want.items():
         torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+
+
+class SharedInput(nn.Module):
+    """Bias-free query, key and value projections reading one input, as Llama's and T5's do,
+    and a square output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 8)
+        self.norm = nn.LayerNorm(8)
+        self.q = nn.Linear(8, 8, bias=False)
+        self.k = nn.Linear(8, 8, bias=False)
+        self.v = nn.Linear(8, 8, bias=False)
+        self.o = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 20, bias=False)
+
+    def forward(self, ids):
+        x = self.norm(self.embed(ids))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        h = torch.softmax(q @ k.transpose(1, 2) / 8**0.5, dim=-1) @ v
+        return self.head(torch.tanh(self.o(h) + x))
+
+
+def test_square_projections_of_one_input_differentiate_that_input_once(monkeypatch):
+    """A bias-free layer whose input is no larger than its output has its input differentiated:
+    autograd keeps that input for the weight gradient anyway, where it need not keep the
+    output, and the query, key and value projections of one input share it (one gradient
+    returned instead of three outputs held through the pass). The clipped sums stay the
+    loop's."""
+    torch.manual_seed(0)
+    model = SharedInput()
+    ids = torch.randint(0, 20, (6, 7), generator=torch.Generator().manual_seed(1))
+    loss = pergrad.module_loss(model, lm_loss)
+    params = loss.params()
+    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    outputs: dict[str, list] = {}
+    handles = [
+        getattr(model, name).register_forward_hook(
+            lambda module, args, out, name=name: outputs.setdefault(name, []).append(out)
+        )
+        for name in ("norm", "q", "k", "v")
+    ]
+    asked = []
+    grad = torch.autograd.grad
+
+    def recording(outputs, inputs, *args, **kwargs):
+        asked.extend(inputs)
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    try:
+        got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
+    finally:
+        monkeypatch.undo()
+        for handle in handles:
+            handle.remove()
+    assert [x.shape for x in asked if x.is_leaf and x.dim() >= 2] == []  # no weight gradient
+    shared = outputs["norm"][-1]  # the projections' one input
+    assert sum(x is shared for x in asked) == 1
+    projected = [outputs[name][-1] for name in ("q", "k", "v")]
+    assert not any(x is y for x in asked for y in projected)
+    want = reference_clipped_sum(model, ids, 0.1)
+    for name, value in want.items():
+        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)

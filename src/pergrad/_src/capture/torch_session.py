@@ -336,9 +336,13 @@ def _light_targets(
     """What to differentiate so that the backward pass reaches every hooked layer's output
     and computes no weight gradient: a layer's vector parameter (a bias, a norm's scale) if
     it has one; otherwise (a bias-free linear layer, an embedding: Llama's every layer, an LM
-    head) for each call its input, where that is the layer's own argument, unchanged, and
-    smaller than the output (an LM head's: its gradient is computed on the way anyway, and the
-    output's, B x T x vocabulary numbers, would be returned and held), else its output, as long
+    head) for each call its input, where that is the layer's own argument, unchanged, and no
+    larger than the output (an LM head's: its gradient is computed on the way anyway, and the
+    output's, B x T x vocabulary numbers, would be returned and held; a square projection's:
+    autograd keeps the input for the weight gradient anyway, where it may not keep the output,
+    and one input serves every layer reading it, as Llama's and T5's query, key and value
+    projections do: 32 MiB less of Llama's working memory at T=128, B=16, 1.11x to 1.02x the
+    non-private step's), else its output, as long
     as no in-place op has changed them since (their hooks would not fire), else its smallest
     parameter; a lookup table of fewer numbers than its outputs, its weight
     (:func:`_table_is_lighter`). ``smallest_parameters``: each layer's
@@ -449,14 +453,14 @@ def _let_go(
 
 
 def _light_input(record: LayerRecord) -> torch.Tensor | None:
-    """The call's own input, where differentiating it instead of the output is cheaper and
-    still reaches the output gradient (unchanged since the layer read it, smaller)."""
+    """The call's own input, where differentiating it instead of the output holds no more and
+    still reaches the output gradient (unchanged since the layer read it, no larger)."""
     x = record.light_input
     assert record.output is not None
     if (
         x is not None
         and x._version == record.input_versions[0]
-        and x.numel() < record.output.numel()
+        and x.numel() <= record.output.numel()
     ):
         return x
     return None
