@@ -142,3 +142,56 @@ def test_square_projections_of_one_input_differentiate_that_input_once(monkeypat
     want = reference_clipped_sum(model, ids, 0.1)
     for name, value in want.items():
         torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+
+
+class BiasFreeHead(nn.Module):
+    """A bias-free head: with fewer outputs than inputs its output is its light target, with
+    more its input."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 8)
+        self.hidden = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, classes, bias=False)
+        self.classes = classes
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def scaling_loss(logits, labels):
+    """Changes the model's output in place before using it."""
+    return F.cross_entropy(logits.mul_(2.0).reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("classes", [3, 20], ids=["output target", "input target"])
+def test_an_output_the_loss_changes_in_place_is_not_relied_on(classes, monkeypatch):
+    """The light targets are chosen at the end of the model's forward pass, before the loss, so
+    that the outputs nothing else keeps are freed before the loss's own buffers come. The loss
+    receives the model's output and may change it in place: the head's hook would then not
+    fire for its output, so the head's weight is differentiated instead (whether its output or
+    its input was the target), and the clipped sums stay the loop's (of the same loss, which
+    doubles the logits)."""
+    torch.manual_seed(0)
+    model = BiasFreeHead(classes)
+    ids = torch.randint(0, 3, (6, 7), generator=torch.Generator().manual_seed(1))
+    loss = pergrad.module_loss(model, scaling_loss)
+    params = loss.params()
+    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    asked = []
+    grad = torch.autograd.grad
+
+    def recording(outputs, inputs, *args, **kwargs):
+        asked.extend(inputs)
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
+    monkeypatch.undo()
+    assert [tuple(x.shape) for x in asked if x.is_leaf and x.dim() >= 2] == [(classes, 8)]
+    grads = torch_module_loop_grads(model, scaling_loss, [ids], [ids])
+    norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
+    factors = (0.1 / norms).clamp(max=1.0)
+    for name, g in grads.items():
+        want = torch.tensordot(factors, g.double(), dims=1)
+        torch.testing.assert_close(got.sum[name].double(), want, rtol=1e-5, atol=1e-7)
