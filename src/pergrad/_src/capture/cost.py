@@ -451,3 +451,14 @@ def route_costs(batch_size: int, num_params: int, layers: list[LayerWork]) -> Ro
     held = batch_size * sum(layer_held_numbers(layer) for layer in layers)
     held_layers = sum(layer.kind == "held" for layer in layers)
     return RouteCosts(ghost, float(MATERIALIZED_NUMBER_COST * numbers), numbers, held, held_layers)
+
+
+def settings() -> tuple[Any, ...]:
+    """This module's switches and constants (its upper-case names) as they are now: tests and
+    benchmarks change them, so a cache of what is worked out from them (the norm routes, the
+    layer works of ``torch_probe``) is kept under them."""
+    module = globals()
+    return tuple(module[name] for name in _SETTINGS)
+
+
+_SETTINGS = tuple(name for name in globals() if name.isupper())

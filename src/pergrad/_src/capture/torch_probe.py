@@ -6,9 +6,10 @@ linear layer's tokens), which only a forward pass shows. :func:`layer_works` run
 its first example, without gradients (``1 / B`` of the batch's forward pass), with forward
 hooks on the planned layers that record their output shapes, removed before it returns; the
 model sees copies of its buffers and the random number generators are restored afterwards, so
-nothing of the model or of the user's random stream changes. The answer is remembered per loss
-and per example shape (the batch size does not enter it), so a training loop probes once per
-layout.
+nothing of the model or of the user's random stream changes. The answer is remembered per loss,
+per example shape (the batch size does not enter it) and per structure of the model
+(``torch_plan.Structure``: a module replaced is probed again), so a training loop probes once
+per layout; so are the works made of it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def layer_works(
     generic_size: int,
     args: tuple[Any, ...],
     holdable: frozenset[str] = frozenset(),
+    structure: Any = None,
 ) -> list[LayerWork] | str:
     """The :class:`~pergrad._src.capture.cost.LayerWork` of every call of the planned
     ``layers`` on one example of ``args`` (``(params, *inputs, *targets)``, batched on axis
@@ -61,26 +63,55 @@ def layer_works(
     ``holdable``: the layers a DP step may hold as their formed per-example gradients
     (``capture/torch_held.py``); each of them whose parameters are no more numbers than its
     calls' outputs, as there, is one ``"held"`` work instead of its calls', and the uses of a
-    tied parameter held together (``torch_held_tied.py``) one for all of theirs."""
+    tied parameter held together (``torch_held_tied.py``) one for all of theirs.
+
+    ``structure``: the model's ``torch_plan.Structure`` (its plan's), under which the shapes
+    and the works are remembered; None: the shapes are remembered per layout only, and the
+    works made afresh."""
     unknown = sorted({rule for rule in layers.values() if not _known(rule)})
     if unknown:
         return f"no work estimate for the rule(s) {unknown}"
     params, inputs = args[0], args[1 : 1 + loss.num_inputs]
     batch_size = _batch_size(inputs)
     leaves, spec = pytree.tree_flatten(list(inputs))
-    key = (tuple(sorted(layers.items())), str(spec), tuple(map(_shape_of, leaves)))
+    key = (tuple(sorted(layers.items())), str(spec), tuple(map(_shape_of, leaves)), structure)
     remembered = _probed.setdefault(loss, {})
     if key not in remembered:
         if len(remembered) >= _REMEMBERED:
             remembered.pop(next(iter(remembered)))
-        remembered[key] = _probe(loss, layers, params, inputs, batch_size)
-    shapes = remembered[key]
-    if isinstance(shapes, str):
-        return shapes
-    works = [
-        (name, _work(loss.model.get_submodule(name), layers[name], out)) for name, out in shapes
-    ]
-    held = _held_layers(loss.model, works, holdable)
+        remembered[key] = _Probed(_probe(loss, layers, params, inputs, batch_size))
+    probed = remembered[key]
+    if isinstance(probed.shapes, str):
+        return probed.shapes
+    if structure is None:
+        return _works(loss.model, layers, generic_size, holdable, probed.shapes)
+    made = (holdable, generic_size, cost.settings())  # (the held works read its constants)
+    if made not in probed.works:
+        if len(probed.works) >= 4:  # (the oldest dropped)
+            probed.works.pop(next(iter(probed.works)))
+        probed.works[made] = _works(loss.model, layers, generic_size, holdable, probed.shapes)
+    return list(probed.works[made])
+
+
+class _Probed:
+    """One layout's probe: its ``shapes`` (or why it failed), and the works made of them by
+    ``(holdable, generic_size, cost.settings())`` (a few: a loop asks with one or two)."""
+
+    def __init__(self, shapes: list[tuple[str, tuple[int, ...]]] | str) -> None:
+        self.shapes = shapes
+        self.works: dict[Any, list[LayerWork]] = {}
+
+
+def _works(
+    model: nn.Module,
+    layers: dict[str, str],
+    generic_size: int,
+    holdable: frozenset[str],
+    shapes: list[tuple[str, tuple[int, ...]]],
+) -> list[LayerWork]:
+    """:func:`layer_works` from the probe's ``shapes``."""
+    works = [(name, _work(model.get_submodule(name), layers[name], out)) for name, out in shapes]
+    held = _held_layers(model, works, holdable)
     kept = [work for name, work in works if not any(name in group for group in held)]
     kept += held.values()
     if generic_size:

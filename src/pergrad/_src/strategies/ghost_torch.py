@@ -108,7 +108,7 @@ from pergrad._src.capture import (
 from pergrad._src.capture.torch_plan import (
     GhostPlan,
     describe_formed,
-    norm_route,
+    norm_routes,
     ownership,
     plan,
 )
@@ -166,7 +166,7 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
                 for tied, uses in found.tied.items()
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
-    routes = {layer: norm_route(request.fn.model, layer, rule) for layer, rule in layers.items()}
+    routes = norm_routes(request.fn.model, found)
     compiled = torch_compiled.describe(request.fn.model, layers, run_alone=found.generic_size > 0)
     if compiled is not None:
         why += f"; {compiled}"
@@ -205,27 +205,32 @@ def _route_costs(request: ReduceRequest, found: GhostPlan) -> cost.RouteCosts | 
         and cost.HOLD_FORMED
         and cost.FAST_NORMS
     )
-    holdable = _holdable(request.fn, params, found.layers) if held else frozenset()
+    holdable = _holdable(request.fn, params, found) if held else frozenset()
     works = torch_probe.layer_works(
-        request.fn, found.layers, found.generic_size, request.args, holdable
+        request.fn, found.layers, found.generic_size, request.args, holdable, found.structure
     )
     if isinstance(works, str):
         return f"no estimate of materialising's cost: {works}"
     return cost.route_costs(request.call.batch_size, num_params, works)
 
 
-# The layers a DP step may hold, per loss and per (layers, differentiated parameters): the
-# ownership they come from walks the model (about 6 ms on a 12-layer GPT-2), and "auto" asks
-# at every step. Weakly held beside the losses, as torch_probe's shapes.
+# The layers a DP step may hold, per loss and per (layers, differentiated parameters, the
+# model's structure as its plan found it): the ownership they come from walks the model (about
+# 6 ms on a 12-layer GPT-2), and "auto" asks at every step. Weakly held beside the losses, as
+# torch_probe's shapes.
 _HOLDABLE: weakref.WeakKeyDictionary[ModuleLoss, dict[Any, frozenset[str]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _holdable(loss: ModuleLoss, params: dict[str, Any], layers: dict[str, str]) -> frozenset[str]:
-    """``torch_held.candidate_layers`` of this call's ownership, remembered per layout."""
+def _holdable(loss: ModuleLoss, params: dict[str, Any], found: GhostPlan) -> frozenset[str]:
+    """``torch_held.candidate_layers`` of this call's ownership, remembered per layout and
+    structure (``GhostPlan.structure``; a plan without one: worked out afresh)."""
+    layers = found.layers
+    if found.structure is None:
+        return frozenset(torch_held.candidate_layers(ownership(loss.model, params, layers)))
     remembered = _HOLDABLE.setdefault(loss, {})
-    key = (tuple(sorted(layers.items())), tuple(params))
+    key = (tuple(sorted(layers.items())), tuple(params), found.structure)
     if key not in remembered:
         if len(remembered) >= 16:  # (the oldest dropped, as torch_probe's)
             remembered.pop(next(iter(remembered)))
