@@ -33,13 +33,15 @@ workload; the ratio is the median of the per-round ratios to the non-private ste
 run nothing: it builds the model, batch and optimizer, reads the resident memory (the
 baseline), resets the peak (``/proc/self/clear_refs``, Linux) and takes a first step and then
 one more; extra memory = peak RSS - baseline, over the first step and over the later ones. The
-*working memory* of the later step is its peak RSS minus the RSS just before it: what the step
-itself needs, without what the first step left resident for good (library code paged in by new
-kernels, the libraries' own buffers, imported modules: a few MiB more for a DP step than for a
-plain one; the notes give it). Its ratio to the non-private step's is the memory the goal is
-judged on (as pergrad's benchmarks measure a call's memory, ``pergrad.bench.memory``, and as
-a GPU's peak allocated memory would count only tensors); the ratio of the extra memory (the
-larger of the two) is given beside it. For pergrad's low-memory mode, one more step gives each
+*working memory* is the later steps' extra memory less what the first step left resident that
+is no tensor: library code paged in by kernels used for the first time, the libraries' own
+buffers, imported modules (the RSS after the first step above the baseline, less the bytes of
+the tensors alive then that were not before: 13-34 MiB, differing by method; the notes give
+it). What a method keeps between
+steps as tensors (gradients, Opacus's per-example gradients) stays counted. Its ratio to the
+non-private step's is the memory the goal is judged on (a GPU's peak allocated memory would
+likewise count only tensors); the ratio of the extra memory (the larger of the two) is given
+beside it. For pergrad's low-memory mode, one more step gives each
 phase's peak (forward, first and second backward pass, noise and step), in the notes. Large
 buffers go back to the OS when freed (``mallopt(M_MMAP_THRESHOLD)``), so the peak is the step's
 working memory.
@@ -519,13 +521,18 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
     try:
         step = build_step(method, workload, config)
         gc.collect()
+        held_before = tensor_storages(step.model)
         baseline = status_mib("VmRSS")
         first = peak_rss_over(step.call) - baseline
         gc.collect()
         before_later = status_mib("VmRSS")
+        held_after = tensor_storages(step.model)
+        retained = sum(n for k, n in held_after.items() if k not in held_before) / 2**20
+        residue = max(0.0, before_later - baseline - retained)
+        del held_before, held_after
         with recorded_bytes(inventory) if method == "pergrad DP" else contextlib.nullcontext():
             later_peak = peak_rss_over(later_steps)
-        later, working = later_peak - baseline, later_peak - before_later
+        later = later_peak - baseline
         if method == "pergrad low-memory":  # one more step, its peak phase by phase
             gc.collect()
             inventory["phases_mib"] = phase_peaks(step.call, baseline)
@@ -535,11 +542,28 @@ def memory_of(workload: Workload, config: Config, method: str) -> dict[str, Any]
     return {
         "first_mib": first,
         "later_mib": later,
-        "working_mib": working,
-        "kept_mib": before_later - baseline,
+        "working_mib": later - residue,
+        "retained_mib": retained,
+        "residue_mib": residue,
         "baseline_mib": baseline,
         **inventory,
     }
+
+
+def tensor_storages(model: Any) -> dict[int, int]:
+    """The tensors alive now, each storage once (address -> bytes): those the garbage
+    collector sees (an Opacus ``grad_sample``, an optimizer's state, anything a method keeps)
+    and the model's parameters' ``.grad``."""
+    import torch
+
+    found: dict[int, int] = {}
+    tensors = [x for x in gc.get_objects() if isinstance(x, torch.Tensor)]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for x in tensors:
+        with contextlib.suppress(Exception):  # (a tensor without storage: meta, a subclass)
+            storage = x.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
 
 
 @contextlib.contextmanager
@@ -712,7 +736,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
         mem = memory[method]
         if "first_mib" in mem:
             row["first_mib"], row["later_mib"] = mem["first_mib"], mem["later_mib"]
-            row["working_mib"], row["kept_mib"] = mem["working_mib"], mem["kept_mib"]
+            row["working_mib"] = mem["working_mib"]
             extra = max(mem["first_mib"], mem["later_mib"])
             row["extra_ratio"] = extra / base_extra if base_extra > 0 else None
             working = mem["working_mib"]
@@ -724,7 +748,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     columns = ["workload", "method", "pergrad strategy", "step ms", "time / non-private"]
-    columns += ["extra MiB, first step", "extra MiB, later steps", "working MiB, later step"]
+    columns += ["extra MiB, first step", "extra MiB, later steps", "working MiB"]
     columns += ["memory / non-private", "extra / non-private", "note"]
     cells = [
         [r["workload"].name, r["method"], r["strategy"], fmt(r.get("ms"), ".0f", missing="—")]
@@ -810,18 +834,24 @@ def notes(
             f"{mem['later_mib'] - base.get('later_mib', math.nan):.0f} MiB"
         )
     kept = [
-        f"{result['workload'].name} {result['memory'][method]['kept_mib']:.0f}"
+        f"{result['workload'].name}: "
+        + ", ".join(
+            f"{method} {result['memory'][method]['residue_mib']:.0f} "
+            f"({result['memory'][method]['retained_mib']:.0f})"
+            for method in METHODS
+            if "residue_mib" in result["memory"][method]
+        )
         for result in results
-        for method in (BASE, "pergrad DP")
-        if "kept_mib" in result["memory"][method]
     ]
     if kept:
         lines.append(
-            "- Resident after the first step, above the baseline (MiB; the non-private step's, "
-            "then pergrad DP's: the gradients, and what stays for good: library code paged in, "
-            "the libraries' buffers, imported modules; not the later steps' working memory): "
-            + ", ".join(kept)
+            "- Left resident by the first step that is no tensor (MiB; library code paged in "
+            "by kernels used for the first time, the libraries' own buffers, imported "
+            "modules), left out of the working memory; in brackets the tensors a method keeps "
+            "from one step to the next (the gradients, Opacus's per-example gradients), which "
+            "stay in it:"
         )
+        lines += [f"  - {line}" for line in kept]
     phased = [r for r in results if "phases_mib" in r["memory"].get("pergrad low-memory", {})]
     if phased:
         lines.append(
@@ -924,7 +954,8 @@ def header(args: argparse.Namespace, config: Config) -> str:
             f"time: median of {args.rounds} interleaved rounds after a warm-up step; memory: "
             f"each method in its own process, peak RSS above the RSS after building the model, "
             f"batch and optimizer, over the first step and over {MEMORY_LATER_STEPS} later ones; "
-            f"working memory: a later step's peak RSS above the RSS just before it",
+            f"working memory: the later steps' less what the first left resident that is no "
+            f"tensor",
             f"command: `{machine.command_line()}`",
         ],
     )
