@@ -44,11 +44,28 @@ def lm_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, 20), ids[:, 1:].reshape(-1))
 
 
-def reference_clipped_sum(model, ids, max_norm):
-    grads = torch_module_loop_grads(model, lm_loss, [ids], [ids])
+def reference_clipped_sum(model, ids, max_norm, loss_fn=lm_loss):
+    grads = torch_module_loop_grads(model, loss_fn, [ids], [ids])
     norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
     factors = (max_norm / norms).clamp(max=1.0)
     return {k: torch.tensordot(factors, g.double(), dims=1) for k, g in grads.items()}
+
+
+def ghost_sum_recording(monkeypatch, loss, params, ids):
+    """A ghost clipped sum of ``ids``, and what its backward passes differentiated (each
+    ``torch.autograd.grad`` call's inputs)."""
+    asked = []
+    grad = torch.autograd.grad
+
+    def recording(outputs, inputs, *args, **kwargs):
+        asked.extend(inputs)
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    try:
+        return clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost"), asked
+    finally:
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["outputs", "in-place: weights"])
@@ -59,16 +76,7 @@ def test_bias_free_layers_differentiate_their_outputs_not_their_weights(in_place
     loss = pergrad.module_loss(model, lm_loss)
     params = loss.params()
     clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
-    asked = []
-    grad = torch.autograd.grad
-
-    def recording(outputs, inputs, *args, **kwargs):
-        asked.extend(inputs)
-        return grad(outputs, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", recording)
-    got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
-    monkeypatch.undo()
+    got, asked = ghost_sum_recording(monkeypatch, loss, params, ids)
     differentiated = [x for x in asked if x.is_leaf and x.dim() >= 2]  # weight matrices
     assert len(asked) > len(differentiated)  # every layer's output was reached some way
     if in_place:  # the hidden layer's output changed: its weight is differentiated instead
@@ -120,18 +128,9 @@ def test_square_projections_of_one_input_differentiate_that_input_once(monkeypat
         )
         for name in ("norm", "q", "k", "v")
     ]
-    asked = []
-    grad = torch.autograd.grad
-
-    def recording(outputs, inputs, *args, **kwargs):
-        asked.extend(inputs)
-        return grad(outputs, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", recording)
     try:
-        got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
+        got, asked = ghost_sum_recording(monkeypatch, loss, params, ids)
     finally:
-        monkeypatch.undo()
         for handle in handles:
             handle.remove()
     assert [x.shape for x in asked if x.is_leaf and x.dim() >= 2] == []  # no weight gradient
@@ -178,20 +177,8 @@ def test_an_output_the_loss_changes_in_place_is_not_relied_on(classes, monkeypat
     loss = pergrad.module_loss(model, scaling_loss)
     params = loss.params()
     clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
-    asked = []
-    grad = torch.autograd.grad
-
-    def recording(outputs, inputs, *args, **kwargs):
-        asked.extend(inputs)
-        return grad(outputs, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", recording)
-    got = clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")
-    monkeypatch.undo()
+    got, asked = ghost_sum_recording(monkeypatch, loss, params, ids)
     assert [tuple(x.shape) for x in asked if x.is_leaf and x.dim() >= 2] == [(classes, 8)]
-    grads = torch_module_loop_grads(model, scaling_loss, [ids], [ids])
-    norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
-    factors = (0.1 / norms).clamp(max=1.0)
-    for name, g in grads.items():
-        want = torch.tensordot(factors, g.double(), dims=1)
-        torch.testing.assert_close(got.sum[name].double(), want, rtol=1e-5, atol=1e-7)
+    want = reference_clipped_sum(model, ids, 0.1, scaling_loss)
+    for name, value in want.items():
+        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
