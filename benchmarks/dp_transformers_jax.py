@@ -260,6 +260,7 @@ class Route:
     gradient: Callable[[Any, Any, Any], Any]
     private: Any
     strategy: str = ""
+    reason: str = ""  # why pergrad chose the strategy (``choose_strategy``'s reason)
 
 
 def route(method: str, work: Workload, noise: float) -> Route:
@@ -296,7 +297,7 @@ def route(method: str, work: Workload, noise: float) -> Route:
             )
             return grad
 
-        return Route(private_grad, optax.identity(), choice.strategy)
+        return Route(private_grad, optax.identity(), choice.strategy, choice.reason)
     if method == "pergrad optax":
         per_example = pergrad.per_example_grads(work.loss)
         private = pergrad.dp.optax_aggregate(MAX_NORM, noise, 0, expected_batch_size=size)
@@ -442,7 +443,13 @@ def time_job(model: str, config: Config, rounds: int, agreement: float) -> dict[
     """Every method's step on ``model``: compiled (XLA's memory view), checked against the
     hand-written step without noise, run once, then timed in interleaved rounds."""
     work = workload(model, config)
-    result: dict[str, Any] = {"failed": {}, "strategy": {}, "temp_mib": {}, "agreement": {}}
+    result: dict[str, Any] = {
+        "failed": {},
+        "strategy": {},
+        "temp_mib": {},
+        "agreement": {},
+        "reason": {},
+    }
     steps: dict[str, Step] = {}
     for method in METHODS:
         result["failed"][method] = missing(method)
@@ -450,8 +457,10 @@ def time_job(model: str, config: Config, rounds: int, agreement: float) -> dict[
             continue
         try:
             if method == "pergrad auto":
-                choice = route(method, work, NOISE).strategy
+                chosen = route(method, work, NOISE)
+                choice = chosen.strategy
                 result["strategy"][method] = choice
+                result["reason"][method] = chosen.reason
                 if choice == result["strategy"].get("pergrad ghost"):
                     result["failed"][method] = "the same program as pergrad ghost: not run again"
                     continue
@@ -652,6 +661,9 @@ def what_it_shows(
                 f"{fmt(temp, '.2f', 'x', missing='—')} its XLA temporary memory"
             )
         lines.append(line + ".")
+        reason = result["timed"].get("reason", {}).get("pergrad auto")
+        if reason:
+            lines.append(f"  - pergrad auto, as `choose_strategy` gives it: {reason}")
         if "pergrad ghost" in times and RECORDS_HELD in times:
             lines.append(held_line(model, by_key, times))
     lines += [
@@ -660,12 +672,16 @@ def what_it_shows(
         "the activations: its peak memory stays near the non-private step's as long as one "
         "example's activations are about as large as the model (here "
         f"{config.length} tokens of a vocabulary of {config.vocab}); with few tokens per "
-        "example the B x P numbers dominate. The ghost strategy never forms them: it computes "
+        "example the B x P numbers dominate (XLA sums a dense layer's per-example gradients "
+        "without keeping them, but keeps a row lookup's: an untied token table's B V d "
+        "numbers). The ghost strategy never forms them: it computes "
         "each layer's per-example norm from T x T products of the layer's inputs and of its "
         "output gradients, then the clipped sum of the weight gradients. Those products come on "
         "top of the weight gradients (which vmap's per-example gradients replace rather than "
         "add to), and with T near the layers' widths they cost half as much as the weight "
-        "gradients or more: the ghost strategy's advantage is memory, not time.",
+        "gradients or more: the ghost strategy's advantage is memory, not time. pergrad auto "
+        "weighs both: the ghost norms' work against materialising's, then XLA's compiled "
+        "temporary memory of each (its reason, per model, above).",
         "- The same step: without noise, the relative difference of each private method's "
         "gradient from vmap by hand's, on the benchmark's own batch (methods above "
         f"{agreement:g} are reported, not timed):",

@@ -48,7 +48,9 @@ def per_example_norms_of(
         parameter sits in a layer with a ghost rule, and for a JAX loss whose parameters outside
         contractions need at most 2**25 per-example numbers; else ``"chunked"``; for a
         ``module_loss`` whose per-example gradients fit in 2**25 numbers, ``"materialize"``
-        where the cost model of ``choose_strategy`` finds it cheaper), ``"ghost"``,
+        where the cost model of ``choose_strategy`` finds it cheaper; for a JAX loss,
+        ``"materialize"`` where that model finds it faster and XLA's compiled temporary memory
+        of it is within 1/16 of the ghost norms'), ``"ghost"``,
         ``"ghost-lowmem"`` (PyTorch: each layer's norms in the backward pass, its records
         dropped there; a clipped sum then takes a second backward pass), ``"chunked"``, or
         ``"materialize"`` (per-example gradients, then their norms).
@@ -141,7 +143,9 @@ def choose_strategy(
     same error). Under ``"auto"``, a PyTorch ``module_loss`` whose per-example gradients would
     fit in 2**25 numbers runs once on the batch's first example, without gradients and leaving
     the model and the random stream as they were, for the layer shapes of the cost model that
-    chooses between the ghost norms and materialising (``reason`` gives its estimates).
+    chooses between the ghost norms and materialising (``reason`` gives its estimates). A JAX
+    loss's shapes are traced; where materialising is estimated faster, both routes are
+    compiled alone on the arguments' shapes (once per loss and shapes) for XLA's memory.
 
     Example::
 
@@ -183,6 +187,12 @@ def setup_reduce_request(
         return per_example_grads(fn, argnums, in_axes, chunk_size=chunk_size)(*args)
 
     request = ReduceRequest(spec, call, fn, args, chunk_size, materialize, clipped=clipped)
+    if strategy == "auto" and call.backend.name == "jax":
+        from pergrad._src.api.compiled import compiled_bytes
+
+        request.compiled_bytes = compiled_bytes(
+            func_name, fn, args, argnums, in_axes, clipped, setup_reduce_request
+        )
     chosen, _ = registry.select("reduce", request, strategy)
     return request, chosen
 

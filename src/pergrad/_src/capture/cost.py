@@ -360,6 +360,11 @@ def layer_norm_work(layer: LayerWork) -> float:
 # for the ghost norms' one-pass mode, 1.14x / 1.18x for its low-memory mode).
 FREE_FORMED_NUMBERS = 2**22
 MATERIALIZED_MEMORY = 2
+# JAX: "auto" materialises where the work model finds it faster and XLA's compiled temporary
+# memory of materialising is at most (1 + XLA_MEMORY_MARGIN) times the ghost norms' (XLA sums
+# a dense layer's per-example gradients without keeping them, but keeps a row lookup's:
+# benchmarks/results/cpu/dp_transformers_jax.md, tied and untied tables).
+XLA_MEMORY_MARGIN = 1 / 16
 
 
 def held_norm_work(calls: list[LayerWork]) -> float:
@@ -440,13 +445,21 @@ class RouteCosts(NamedTuple):
         )
 
 
-def route_costs(batch_size: int, num_params: int, layers: list[LayerWork]) -> RouteCosts:
+def route_costs(
+    batch_size: int,
+    num_params: int,
+    layers: list[LayerWork],
+    layer_cost: float | None = None,
+) -> RouteCosts:
     """The extra work of each exact route over a batch gradient, for ``B = batch_size``
     examples and ``P = num_params`` differentiated numbers: the ghost strategy's per-layer
-    norms (:func:`layer_norm_work`, every call of every layer) and its ``GHOST_LAYER_COST``
-    per layer call against materialising's ``MATERIALIZED_NUMBER_COST B P``."""
+    norms (:func:`layer_norm_work`, every call of every layer) and its ``layer_cost`` per layer
+    call (None: ``GHOST_LAYER_COST``, PyTorch's, as it is now; 0 under ``jax.jit``) against
+    materialising's ``MATERIALIZED_NUMBER_COST B P``."""
+    if layer_cost is None:
+        layer_cost = GHOST_LAYER_COST
     per_example = sum(layer_norm_work(layer) for layer in layers)
-    ghost = batch_size * per_example + GHOST_LAYER_COST * len(layers)
+    ghost = batch_size * per_example + layer_cost * len(layers)
     numbers = batch_size * num_params
     held = batch_size * sum(layer_held_numbers(layer) for layer in layers)
     held_layers = sum(layer.kind == "held" for layer in layers)

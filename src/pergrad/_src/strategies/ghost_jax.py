@@ -34,7 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pergrad._src.capture import cost, jax_contractions  # importing it registers the rules
+from pergrad._src.capture import (  # importing jax_contractions registers the rules
+    cost,
+    jax_contractions,
+    jax_cost,
+)
 from pergrad._src.capture.jax_engine import JaxGhostPlan, JaxRecords, describe, plan, records
 from pergrad._src.capture.jax_rules import rule_for
 from pergrad._src.capture.jax_users import UserGroups
@@ -86,9 +90,17 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
             if not materialized
             else f"the parameters outside contractions need only {numbers:,} per-example numbers"
         )
-        choice = StrategyChoice(
-            "ghost", why, None, layers, materialized, found, _routes(found, names)
-        )
+        routes = _routes(found, names)
+        cheaper, comparison = _materialize_is_cheaper(request, found)
+        if cheaper:
+            why = f"materialising the per-example gradients is cheaper: {comparison}"
+            choice = StrategyChoice(
+                "materialize", why, request.chunk_size, layers, materialized, None, routes
+            )
+            return Assessment("ghost", False, why, choice)
+        if comparison:
+            why += f"; {comparison}"
+        choice = StrategyChoice("ghost", why, None, layers, materialized, found, routes)
         return Assessment("ghost", True, why, choice)
     why = (
         "no differentiated parameter enters the loss through a contraction"
@@ -97,6 +109,49 @@ def assess(request: ReduceRequest, forced: bool) -> Assessment:
         f"(more than {cost.MAX_FORMED_NUMBERS:,}): {_listing(materialized)}"
     )
     return Assessment("ghost", False, why, StrategyChoice("ghost", why, None, layers, materialized))
+
+
+def _materialize_is_cheaper(request: ReduceRequest, found: JaxGhostPlan) -> tuple[bool, str]:
+    """``(whether "auto" materialises instead, the comparison in words)``: where the work model
+    (``capture/jax_cost.py``) finds materialising faster, XLA's compiled temporary memory of
+    both routes decides (materialising within ``cost.XLA_MEMORY_MARGIN`` of the ghost norms'
+    memory). Below ``cost.MIN_CHOICE_NUMBERS`` per-example numbers, and at user level, the
+    ghost norms are kept without estimating (``""``)."""
+    call = request.call
+    if request.users is not None or request.compiled_bytes is None:
+        return False, ""
+    sizes = [math.prod(call.backend.shape(call.leaves[i][j])) for i, j in call.diff_positions]
+    numbers = call.batch_size * sum(sizes)
+    if numbers < cost.MIN_CHOICE_NUMBERS:
+        return False, ""
+    clipped = request.clipped or request.weights_from is not None
+    costs = jax_cost.route_costs(found, call.batch_size, sizes, clipped)
+    work = (
+        f"estimated extra work over a batch gradient: ghost norms {costs.ghost:.3g} "
+        f"multiply-adds, materialised per-example gradients {costs.materialize:.3g} "
+        f"({numbers:,} numbers)"
+    )
+    if costs.materialize >= costs.ghost:
+        return False, f"the ghost norms are cheaper: {work}"
+    try:
+        ghost_bytes = request.compiled_bytes("ghost")
+        materialized_bytes = request.compiled_bytes("materialize")
+    except Exception as err:  # a loss that cannot be compiled alone: no estimate
+        return False, (
+            f"materialising is estimated faster ({work}), but the call could not be compiled "
+            f"alone to compare the memory of the two ({type(err).__name__}): ghost norms kept"
+        )
+    memory = (
+        f"XLA's temporary memory {materialized_bytes / 2**20:.1f} MiB materialising, "
+        f"{ghost_bytes / 2**20:.1f} MiB by the ghost norms"
+    )
+    if materialized_bytes <= (1 + cost.XLA_MEMORY_MARGIN) * ghost_bytes:
+        return True, f"{work}; {memory}"
+    return False, (
+        f"the ghost norms hold less memory: {memory}; materialising, estimated faster "
+        f"({work}), takes more than {1 + cost.XLA_MEMORY_MARGIN:g}x (strategy='materialize' "
+        f"takes it anyway)"
+    )
 
 
 def _routes(found: JaxGhostPlan, names: list[str]) -> dict[str, str]:

@@ -167,7 +167,10 @@ class ReduceRequest:
     :class:`UserGrouping` for user-level clipping by a ghost strategy, whose squared norms are
     then each user's, in the row layout of ``dp/users.user_slots``. ``clipped``: the call is
     a clipped sum's, whose ``weights_from`` is set after the strategy is chosen (the ghost
-    strategy's cost model counts the layers that step holds, ``ghost_torch._route_costs``)."""
+    strategy's cost model counts the layers that step holds, ``ghost_torch._route_costs``).
+    ``compiled_bytes``: for a JAX call, ``strategy -> XLA's temporary bytes`` of the call
+    compiled alone by that strategy (``api/compiled.py``; may raise), which the ghost strategy's
+    choice under "auto" compares; None otherwise."""
 
     spec: Spec
     call: Call
@@ -178,3 +181,4 @@ class ReduceRequest:
     weights_from: WeightsFn | None = None
     users: Any = None
     clipped: bool = False
+    compiled_bytes: Callable[[str], int] | None = None
