@@ -82,6 +82,10 @@ FLOAT64_NORMS = "pergrad DP, float64 norms"
 # --records-held adds this method: pergrad's DP step with every layer's records held to the end
 # of the backward pass, as before the held per-example gradients (capture/cost.HOLD_FORMED off)
 RECORDS_HELD = "pergrad DP, records held"
+# --float64-crossover adds this method: pergrad's DP step with the Gram route of each layer
+# priced at float64's crossover, as before the certified float32 Gram route was priced as such
+# (capture/cost.FAST_GRAM_PRICED off: Gram matrices only where 2 T (p + q) <= p q)
+FLOAT64_CROSSOVER = "pergrad DP, float64 crossover"
 BASE = "non-private"
 PRIVATE = METHODS[1:]
 GOAL_TIME, GOAL_MEMORY = 1.15, 1.1  # issue 19: pergrad's DP step against the non-private one
@@ -313,6 +317,9 @@ def build_step(
     elif method == RECORDS_HELD:
         step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
         step.call = with_cost_flag(step.call, "HOLD_FORMED", False)
+    elif method == FLOAT64_CROSSOVER:
+        step = pergrad_step(model, optimizer, inputs, targets, workload.batch_size, noise)
+        step.call = with_cost_flag(step.call, "FAST_GRAM_PRICED", False)
     else:
         step = opacus_step(method, model, optimizer, inputs, targets, workload, noise)
     step.model = model
@@ -1014,10 +1021,17 @@ def main() -> None:
         help=f"also time {RECORDS_HELD!r}: every layer's records held to the end of the "
         "backward pass, none reduced to its formed per-example gradients (as before)",
     )
+    parser.add_argument(
+        "--float64-crossover",
+        action="store_true",
+        help=f"also time {FLOAT64_CROSSOVER!r}: each layer's Gram route priced at float64's "
+        "crossover, as before the certified float32 Gram route was priced as such",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown here, the plot next to it")
     args = parser.parse_args()
     global METHODS, PRIVATE
     extra = [FLOAT64_NORMS] * args.float64_norms + [RECORDS_HELD] * args.records_held
+    extra += [FLOAT64_CROSSOVER] * args.float64_crossover
     METHODS = (*METHODS[:2], *extra, *METHODS[2:])
     PRIVATE = METHODS[1:]
     config = QUICK if args.quick else GPT2_SMALL if args.gpt2_small else FULL

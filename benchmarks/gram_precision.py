@@ -1,13 +1,16 @@
-"""What the float64 Gram route of the PyTorch ghost norms costs (issue 15).
+"""What the Gram routes of the PyTorch ghost norms cost (issues 15 and 36).
 
 Run:  python benchmarks/gram_precision.py [--out PATH]
 
-For a layer applied at T positions, the ghost norm ``sum_{t,s} (a_t . a_s)(d_t . d_s)`` is
-computed in float64 (float32 rounds badly where per-position gradients cancel). Side by side in
-one run, medians of 7 (interleaved), on float32 inputs: the float32 Gram route it replaced, the
-float64 one pergrad uses (in T x T blocks), forming the per-example gradient ``a^T d`` instead,
-the layer's own forward pass as the unit of cost, and what pergrad's per-layer cost model
-(``cost.gram_is_cheaper``, issue 19) picks and costs.
+For a layer applied at T positions, the ghost norm ``sum_{t,s} (a_t . a_s)(d_t . d_s)``
+rounds badly in float32 where per-position gradients cancel: pergrad computes it in float32
+with a certified rounding bound where that bound is tight enough, else in float64. Side by side
+in one run, medians of 7 (interleaved), on float32 inputs: a bare float32 Gram route, the
+float64 one (in T x T blocks), forming the per-example gradient ``a^T d``, pergrad's certified
+float32 Gram and formed routes (each with its bound), the layer's own forward pass as the unit
+of cost, and what pergrad's per-layer cost model (``cost.gram_is_cheaper``, priced in the
+precision the Gram route takes: ``cost.FAST_GRAM_COST`` for the certified float32 one) picks
+and costs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 
 import torch
 
-from pergrad._src.capture import torch_layers, torch_norms
+from pergrad._src.capture import cost, torch_layers, torch_norms
 from pergrad.bench.report import markdown_table, publish, sentence_header
 from pergrad.bench.timing import median_ms, time_interleaved
 
@@ -32,6 +35,11 @@ SHAPES = [
     (32, 65, 512, 128),
     (16, 128, 256, 1024),  # BERT / GPT-2 MLP (small configs)
     (8, 128, 768, 3072),  # GPT-2 small's MLP
+    (16, 128, 256, 768),  # BERT / GPT-2 fused q, k, v (small configs)
+    (32, 65, 128, 384),  # ViT q, k, v
+    (32, 65, 128, 128),
+    (32, 32, 64, 192),  # pergrad.bench's transformer
+    (32, 96, 256, 256),
 ]
 
 
@@ -47,6 +55,12 @@ def formed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return ((a.transpose(-1, -2) @ d) ** 2).sum((1, 2, 3))
 
 
+def certified(a: torch.Tensor, d: torch.Tensor, route: object) -> object:
+    """pergrad's certified float32 route ``route`` (estimate and bound), a few examples at a
+    time as the ghost norms run it."""
+    return torch_norms._in_chunks(a, d, route, 0.0)  # noqa: SLF001
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -54,7 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     header = ["B", "T", "in", "out", "float32 Gram ms", "float64 Gram ms", "formed ms"]
-    header += ["layer forward ms", "float64 / float32", "float64 / forward", "pergrad takes"]
+    header += ["certified Gram ms", "certified formed ms", "certified Gram / formed"]
+    header += ["T (p + q) / p q", "layer forward ms", "float64 / float32", "pergrad takes"]
     header.append("pergrad ms")
     rows = []
     for batch, length, width_in, width_out in SHAPES:
@@ -66,15 +81,23 @@ def main() -> None:
             "f64": functools.partial(float64_gram, a, d),
             "pergrad": functools.partial(torch_layers.outer_product_squared_norms, a, d),
             "formed": functools.partial(formed, a, d),
+            "certified Gram": functools.partial(certified, a, d, torch_norms._gram_in),  # noqa: SLF001
+            "certified formed": functools.partial(certified, a, d, torch_norms._formed_in),  # noqa: SLF001
             "forward": functools.partial(torch.matmul, a, w),
         }
         times = time_interleaved(methods, args.rounds, warmup=1)
         ms = {name: median_ms(t) for name, t in times.items()}
-        taken = "Gram" if torch_norms.gram_is_cheaper(length, width_in, width_out) else "formed"
+        unit = torch_norms.unit_roundoff(a.dtype)
+        fast = cost.fast_gram_suffices(length, (width_in, width_out), unit)
+        taken = "Gram" if cost.gram_is_cheaper(length, width_in, width_out, fast) else "formed"
+        taken += f" ({'float32' if fast else 'float64'} Gram priced)"
+        ratio = ms["certified Gram"] / ms["certified formed"]
         rows.append(
             [str(batch), str(length), str(width_in), str(width_out)]
-            + [f"{ms[name]:.2f}" for name in ("f32", "f64", "formed", "forward")]
-            + [f"{ms['f64'] / ms['f32']:.2f}", f"{ms['f64'] / ms['forward']:.2f}", taken]
+            + [f"{ms[name]:.2f}" for name in ("f32", "f64", "formed")]
+            + [f"{ms['certified Gram']:.2f}", f"{ms['certified formed']:.2f}", f"{ratio:.2f}"]
+            + [f"{length * (width_in + width_out) / (width_in * width_out):.2f}"]
+            + [f"{ms['forward']:.2f}", f"{ms['f64'] / ms['f32']:.2f}", taken]
             + [f"{ms['pergrad']:.2f}"]
         )
     table = markdown_table(header, rows)

@@ -279,8 +279,14 @@ def test_layer_norm_work_by_route():
     formed = LayerWork("dense", 25, (256, 32), 1, 256 * 32)  # 2 T (p + q) > p q
     assert cost.layer_norm_work(formed) == 25 * 256 * 32 + cost.BOUND_WORK * 25 * 288
     gram = LayerWork("dense", 4, (1024, 1024), 1, 1024**2)  # Gram matrices cost less
-    gram_work = cost.FLOAT64_COST * 16 * 2048 + cost.BOUND_WORK * 4 * 2048
-    assert cost.layer_norm_work(gram) == gram_work
+    bound = cost.BOUND_WORK * 4 * 2048
+    assert cost.layer_norm_work(gram) == cost.FAST_GRAM_COST * 16 * 2048 + bound  # float32
+    assert cost.layer_norm_work(gram, fast_gram=False) == cost.FLOAT64_COST * 16 * 2048 + bound
+    # T (p + q) = 0.625 p q: Gram in certified float32 (PyTorch), formed at float64's price (JAX)
+    between = LayerWork("dense", 128, (256, 1024), 1, 256 * 1024)
+    bound = cost.BOUND_WORK * 128 * 1280
+    assert cost.layer_norm_work(between) == cost.FAST_GRAM_COST * 128**2 * 1280 + bound
+    assert cost.layer_norm_work(between, fast_gram=False) == 128 * 256 * 1024 + bound
     light = LayerWork("light", 1, (4096,), 1, 512)
     assert cost.layer_norm_work(light) == 4096
 

@@ -773,6 +773,28 @@ def test_the_gram_route_is_taken_where_it_is_cheaper():
     assert gram_is_cheaper(32, 768, 768)  # 1.8 vs 30.8
     assert not gram_is_cheaper(128, 256, 256)  # 8.2 vs 2.4
     assert not gram_is_cheaper(1024, 768, 768)
+    # the certified float32 Gram route against the certified formed one (gram_precision.md)
+    assert gram_is_cheaper(128, 256, 1024, fast=True)  # 4.47 vs 6.06 ms
+    assert gram_is_cheaper(128, 256, 768, fast=True)  # 3.49 vs 5.46
+    assert gram_is_cheaper(96, 256, 256, fast=True)  # 2.47 vs 2.61
+    assert not gram_is_cheaper(128, 256, 1024)  # the same layer at float64's price
+    assert not gram_is_cheaper(128, 256, 256, fast=True)  # 3.08 vs 1.81
+    assert not gram_is_cheaper(65, 128, 128, fast=True)  # 0.63 vs 0.46
+
+
+def test_the_fast_gram_price_leaves_room_for_cancellation():
+    """A GPT-2 LM head (256 x 8192 at 128 tokens) may take the certified float32 Gram route,
+    but its bound leaves little room for positions that cancel (its examples came out loose in
+    a DP step), so its route is priced at float64's crossover: formed. Its q, k, v layers are
+    priced as the fast route."""
+    from pergrad._src.capture import cost
+
+    unit = cost.FLOAT32_UNIT
+    assert cost.fast_gram_suffices(128, (256, 8192), unit)
+    assert not cost.fast_gram_priced(128, (256, 8192))
+    assert not cost.gram_is_cheaper(128, 256, 8192, cost.fast_gram_priced(128, (256, 8192)))
+    assert cost.fast_gram_priced(128, (256, 768))
+    assert cost.gram_is_cheaper(128, 256, 768, cost.fast_gram_priced(128, (256, 768)))
 
 
 @settings(max_examples=25, deadline=None)

@@ -3,10 +3,11 @@ norms (Gram matrices, the formed per-example gradient, or a closed form), and th
 reported is the route taken.
 
 The Gram route's limit is checked against a brute-force search of its cost rule
-(``FLOAT64_COST T (p + q) <= p q``: float64 multiply-adds of the Gram matrices against float32
-ones of the formed gradient, the crossover measured before the Gram matrices became certified
-float32), and the route taken is observed by counting calls of the Gram kernel on both sides
-of the limit, with the norms checked against a loop.
+(``c T (p + q) <= p q``: the Gram matrices' multiply-adds, each priced ``c`` float32
+multiply-adds of the formed gradient: ``FAST_GRAM_COST`` for PyTorch's certified float32 Gram
+route, ``FLOAT64_COST`` for float64, as JAX prices it), and the route taken is observed by
+counting calls of the Gram kernel on both sides of the limit, with the norms checked against
+a loop.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def test_torch_routes_name_every_layer_and_the_gram_limit():
     assert set(choice.norm_routes) == set(choice.layers) == {"embed", "conv", "norm", "head"}
     from pergrad._src.capture import cost
 
-    limit = brute_force_limit(6, 24, cost.FLOAT64_COST)
+    limit = brute_force_limit(6, 24, cost.FAST_GRAM_COST)
     assert f"up to {limit} positions" in choice.norm_routes["head"]
     assert "6 x 24 per-example gradient formed" in choice.norm_routes["head"]
     assert "24 x 6 per-example kernel gradient" in choice.norm_routes["conv"]  # 8 x 3 inputs
@@ -74,7 +75,7 @@ def test_torch_route_reported_is_the_route_taken(monkeypatch, beyond):
     from pergrad._src.capture import cost, torch_norms
 
     width = 32
-    limit = brute_force_limit(width, width, cost.FLOAT64_COST)
+    limit = brute_force_limit(width, width, cost.FAST_GRAM_COST)
     positions = limit + beyond
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.Flatten(), nn.Linear(positions * width, 3))

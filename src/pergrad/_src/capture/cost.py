@@ -19,8 +19,11 @@ bound exceeds :data:`ROUNDING_TOLERANCE` of an example's estimate (cancelling po
 example is computed again in float64 (JAX without ``jax_enable_x64``: formed), and a layer
 whose fast precision could never meet the tolerance (bfloat16 matrix products, long
 sequences) runs in float64 from the start (:func:`fast_gram_suffices`). The float64 route
-costs about :data:`FLOAT64_COST` float32 multiply-adds per multiply-add; the crossover between
-the Gram and the formed route is still the one measured with float64 Gram matrices.
+costs about :data:`FLOAT64_COST` float32 multiply-adds per multiply-add, the certified float32
+Gram route :data:`FAST_GRAM_COST` (its products, magnitudes and bound sums): a PyTorch layer
+whose fast Gram route suffices takes it up to that crossover (:func:`gram_is_cheaper`,
+``fast=True``); JAX keeps the float64 crossover (XLA's CPU products of these shapes did not
+show one clear crossover for the float32 route).
 
 Measured by ``benchmarks/gram_precision.py`` (2-core CPU, PyTorch, float64 Gram matrices): the
 cheaper route picked on every shape there, from T = 16 to 1024 and widths 128 to 3072. The
@@ -34,6 +37,24 @@ import math
 from typing import Any, NamedTuple
 
 FLOAT64_COST = 2
+# The certified float32 Gram route (PyTorch) against forming the gradient, per multiply-add of
+# its T x T products: measured on a 2-core CPU, both routes certified, each with its bound
+# (benchmarks/results/cpu/gram_precision.md): Gram 0.17-0.96x the formed route's time where
+# T (p + q) <= 0.75 p q, 1.38-1.70x from T (p + q) = p q on; the crossover near 0.8.
+FAST_GRAM_COST = 1.25
+# True: a layer whose certified float32 Gram route suffices is priced at FAST_GRAM_COST; False:
+# at FLOAT64_COST, as before (a benchmark's baseline: dp_transformers.py --float64-crossover).
+FAST_GRAM_PRICED = True
+# ... and only where its bound for positions that do not cancel stays under this share of
+# ROUNDING_TOLERANCE (FAST_MARGIN / 8): real gradients' positions cancel partly, and the Gram
+# route's bound grows with the square of the cancellation, so a layer near FAST_MARGIN would
+# have its examples computed again in float64. A GPT-2's LM head (256 x 8192 at 128 tokens,
+# its widest factor's dot products alone near FAST_MARGIN) came out loose on every example, and
+# the step 5% slower than with that layer formed; its q, k, v and MLP layers, under this
+# margin, never.
+FAST_GRAM_PRICE_MARGIN = 1 / 64
+# The unit roundoff the cost model prices the fast route at (float32).
+FLOAT32_UNIT = 2.0**-24
 
 # A certified norm whose rounding bound exceeds this share of its squared norm (a norm at most
 # 0.5% too large) is computed again in float64: its clip factor would otherwise shrink the
@@ -159,17 +180,34 @@ def product_error(length: int, unit: float, input_unit: float = 0.0) -> float:
 
 
 def fast_gram_suffices(
-    positions: int, widths: tuple[int, ...], unit: float, input_unit: float = 0.0
+    positions: int,
+    widths: tuple[int, ...],
+    unit: float,
+    input_unit: float = 0.0,
+    margin: float | None = None,
 ) -> bool:
     """Whether the Gram route in a fast precision (``unit``, inputs rounded to ``input_unit``)
     is worth trying: its bound for ``T`` positions that add up without cancelling stays under
-    ``FAST_MARGIN * ROUNDING_TOLERANCE`` of the norm. Each Gram entry is a dot product over a
-    factor's width, and their products are summed over two ``T``-long axes."""
+    ``margin * ROUNDING_TOLERANCE`` of the norm (None: ``FAST_MARGIN``). Each Gram entry is a
+    dot product over a factor's width, and their products are summed over two ``T``-long
+    axes."""
     if not FAST_NORMS:
         return False
     widest = product_error(max(widths), unit, input_unit)
     summed = gamma(2 * positions + 2, unit)
-    return len(widths) * widest + summed <= FAST_MARGIN * ROUNDING_TOLERANCE
+    share = FAST_MARGIN if margin is None else margin
+    return len(widths) * widest + summed <= share * ROUNDING_TOLERANCE
+
+
+def fast_gram_priced(
+    positions: int, widths: tuple[int, ...], unit: float = FLOAT32_UNIT, input_unit: float = 0.0
+) -> bool:
+    """Whether a layer's Gram route is priced as the certified fast one (``FAST_GRAM_COST``)
+    rather than float64's: ``FAST_GRAM_PRICED`` and its bound within
+    ``FAST_GRAM_PRICE_MARGIN`` (see there)."""
+    return FAST_GRAM_PRICED and fast_gram_suffices(
+        positions, widths, unit, input_unit, FAST_GRAM_PRICE_MARGIN
+    )
 
 
 def coarse_gram_bound_suffices(
@@ -190,30 +228,35 @@ def coarse_gram_bound_suffices(
     return positions * share * (1 + alpha) * (1 + beta) <= FAST_MARGIN * ROUNDING_TOLERANCE
 
 
-def gram_is_cheaper_for(positions: int, widths: tuple[int, ...]) -> bool:
+def gram_cost(fast: bool) -> float:
+    """What one multiply-add of the Gram route costs in the formed route's: ``FAST_GRAM_COST``
+    for the certified float32 route (``fast``), ``FLOAT64_COST`` for float64."""
+    return FAST_GRAM_COST if fast else FLOAT64_COST
+
+
+def gram_is_cheaper_for(positions: int, widths: tuple[int, ...], fast: bool = False) -> bool:
     """Whether the Gram route costs less for a gradient with factors of these ``widths``
     (``(p, q)`` for a dense layer, ``(out, in1, in2)`` for a bilinear one) at ``positions``:
-    ``FLOAT64_COST T sum(widths) <= prod(widths)``, the crossover measured with the Gram
-    matrices in float64 (kept for the certified float32 ones, whose crossover is not measured
-    yet: the Gram route only gets cheaper)."""
-    return FLOAT64_COST * positions * sum(widths) <= math.prod(widths)
+    ``gram_cost(fast) T sum(widths) <= prod(widths)``; ``fast``: the Gram matrices in the
+    certified fast precision (PyTorch, where :func:`fast_gram_priced`), else in float64."""
+    return gram_cost(fast) * positions * sum(widths) <= math.prod(widths)
 
 
-def gram_limit_for(widths: tuple[int, ...]) -> int:
+def gram_limit_for(widths: tuple[int, ...], fast: bool = False) -> int:
     """The most positions per example for which :func:`gram_is_cheaper_for` takes the Gram
     route (0 or 1: never past one position)."""
-    return math.prod(widths) // (FLOAT64_COST * sum(widths))
+    return int(math.prod(widths) // (gram_cost(fast) * sum(widths)))
 
 
-def gram_is_cheaper(positions: int, width_in: int, width_out: int) -> bool:
+def gram_is_cheaper(positions: int, width_in: int, width_out: int, fast: bool = False) -> bool:
     """:func:`gram_is_cheaper_for` a ``width_in x width_out`` dense layer:
-    ``FLOAT64_COST T (p + q) <= p q``."""
-    return gram_is_cheaper_for(positions, (width_in, width_out))
+    ``gram_cost(fast) T (p + q) <= p q``."""
+    return gram_is_cheaper_for(positions, (width_in, width_out), fast)
 
 
-def gram_limit(width_in: int, width_out: int) -> int:
+def gram_limit(width_in: int, width_out: int, fast: bool = False) -> int:
     """:func:`gram_limit_for` a ``width_in x width_out`` dense layer."""
-    return gram_limit_for((width_in, width_out))
+    return gram_limit_for((width_in, width_out), fast)
 
 
 def split_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -253,9 +296,12 @@ def formed_or_gram_route(
             f"clipping; an example whose bound exceeds {ROUNDING_TOLERANCE:g} of it computed "
             f"again in float64)"
         )
+        fast_limit = gram_limit_for(widths, fast=True)
+        if fast_gram_priced(fast_limit, widths, input_unit=input_unit):
+            limit = fast_limit
         gram = (
-            f"Gram matrices in {fast} where the bound allows (else float64), certified, for up "
-            f"to {limit} positions per example"
+            f"Gram matrices in {fast}, certified, for up to {limit} positions per example where "
+            f"the bound allows (else in float64 for up to {gram_limit_for(widths)})"
         )
     else:
         certified = "in float32 (not certified)"
@@ -330,8 +376,10 @@ class LayerWork(NamedTuple):
     norm_work: float = 0.0  # a "held" layer's (held_norm_work)
 
 
-def layer_norm_work(layer: LayerWork) -> float:
-    """Multiply-adds per example of one layer call's ghost norms (see :func:`route_costs`)."""
+def layer_norm_work(layer: LayerWork, fast_gram: bool = True) -> float:
+    """Multiply-adds per example of one layer call's ghost norms (see :func:`route_costs`);
+    ``fast_gram``: a dense layer takes the certified float32 Gram route where it suffices
+    (PyTorch's rules), else the float64 crossover (JAX's)."""
     if layer.kind == "light":
         return float(math.prod(layer.widths))
     if layer.kind == "held":
@@ -342,8 +390,9 @@ def layer_norm_work(layer: LayerWork) -> float:
     positions, (width_in, width_out) = layer.positions, layer.widths
     if positions <= 1:
         return float(layer.groups * (width_in + width_out))
-    if gram_is_cheaper(positions, width_in, width_out):
-        work = FLOAT64_COST * positions * positions * (width_in + width_out)
+    fast = fast_gram and fast_gram_priced(positions, (width_in, width_out))
+    if gram_is_cheaper(positions, width_in, width_out, fast):
+        work = gram_cost(fast) * positions * positions * (width_in + width_out)
     else:
         work = positions * width_in * width_out
     return layer.groups * (work + BOUND_WORK * positions * (width_in + width_out))
@@ -450,15 +499,17 @@ def route_costs(
     num_params: int,
     layers: list[LayerWork],
     layer_cost: float | None = None,
+    fast_gram: bool = True,
 ) -> RouteCosts:
     """The extra work of each exact route over a batch gradient, for ``B = batch_size``
     examples and ``P = num_params`` differentiated numbers: the ghost strategy's per-layer
     norms (:func:`layer_norm_work`, every call of every layer) and its ``layer_cost`` per layer
     call (None: ``GHOST_LAYER_COST``, PyTorch's, as it is now; 0 under ``jax.jit``) against
-    materialising's ``MATERIALIZED_NUMBER_COST B P``."""
+    materialising's ``MATERIALIZED_NUMBER_COST B P``; ``fast_gram``: as for
+    :func:`layer_norm_work`."""
     if layer_cost is None:
         layer_cost = GHOST_LAYER_COST
-    per_example = sum(layer_norm_work(layer) for layer in layers)
+    per_example = sum(layer_norm_work(layer, fast_gram) for layer in layers)
     ghost = batch_size * per_example + layer_cost * len(layers)
     numbers = batch_size * num_params
     held = batch_size * sum(layer_held_numbers(layer) for layer in layers)

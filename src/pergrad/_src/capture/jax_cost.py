@@ -75,4 +75,4 @@ def route_costs(
         if hold and sizes[k] <= sum(_output_numbers(site) for site in group):
             uses = [_held(uses, sizes[k])]
         works += uses
-    return cost.route_costs(batch_size, sum(sizes), works, layer_cost=0.0)
+    return cost.route_costs(batch_size, sum(sizes), works, layer_cost=0.0, fast_gram=False)

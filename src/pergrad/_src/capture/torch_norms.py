@@ -34,9 +34,10 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
     Returns:
       ``cost.Certified``: ``(B,)`` squared norms in the operands' precision and a bound on their
       rounding (a plain ``(B,)`` tensor where ``cost.FAST_NORMS`` is off). For one position it
-      is ``|a|^2 |d|^2``; where ``cost.gram_is_cheaper`` the Gram matrices give it in ``O(T^2
-      (p + q))`` (Li et al. 2021, "Large language models can be strong differentially private
-      learners"), ``T x T`` blocks at a time so that their memory stays under
+      is ``|a|^2 |d|^2``; where ``cost.gram_is_cheaper`` (priced in the precision the Gram
+      matrices would take) they give it in ``O(T^2 (p + q))`` (Li et al. 2021, "Large
+      language models can be strong differentially private learners"), ``T x T`` blocks at
+      a time so that their memory stays under
       :data:`GRAM_BLOCK_BYTES`; otherwise forming ``a^T d`` (``p x q`` per example and group,
       this layer only) is cheaper.
 
@@ -58,12 +59,17 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
     activations, output_grads = activations.to(common), output_grads.to(common)
     if positions == 1:
         return _one_position(activations, output_grads)
-    gram = gram_is_cheaper(positions, width_in, width_out)
     if not cost.FAST_NORMS:
-        return _uncertified(activations, output_grads, gram)
+        return _uncertified(
+            activations, output_grads, gram_is_cheaper(positions, width_in, width_out)
+        )
     input_unit = _input_unit(activations)
     unit = unit_roundoff(activations.dtype)
     fast = cost.fast_gram_suffices(positions, (width_in, width_out), unit, input_unit)
+    # the certified fast Gram route is priced as such (cost.FAST_GRAM_COST) where its bound
+    # leaves room for cancellation (cost.fast_gram_priced), else at float64's crossover
+    priced = cost.fast_gram_priced(positions, (width_in, width_out), unit, input_unit)
+    gram = gram_is_cheaper(positions, width_in, width_out, priced)
     if gram and not fast and _has_float64(activations):
         # the fast precision could not certify a Gram sum tightly: float64, as before
         return _in_chunks(activations, output_grads, _gram_in, 0.0, wide=True)
