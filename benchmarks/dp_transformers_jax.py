@@ -282,7 +282,9 @@ def route(method: str, work: Workload, noise: float) -> Route:
         return taken
     if method in ("pergrad ghost", "pergrad auto"):
         strategy = "ghost" if method == "pergrad ghost" else "auto"
-        choice = pergrad.norms.choose_strategy(work.loss, work.params, work.ids, strategy=strategy)
+        choice = pergrad.norms.choose_strategy(
+            work.loss, work.params, work.ids, strategy=strategy, clipped_sum=True
+        )
 
         def private_grad(params: Any, ids: Any, key: Any) -> Any:
             grad, _ = pergrad.dp.private_grad_of(

@@ -50,7 +50,7 @@ def per_example_norms_of(
         ``module_loss`` whose per-example gradients fit in 2**25 numbers, ``"materialize"``
         where the cost model of ``choose_strategy`` finds it cheaper; for a JAX loss,
         ``"materialize"`` where that model finds it faster and XLA's compiled temporary memory
-        of it is within 1/16 of the ghost norms'), ``"ghost"``,
+        of it is within 1/32 of the ghost norms'), ``"ghost"``,
         ``"ghost-lowmem"`` (PyTorch: each layer's norms in the backward pass, its records
         dropped there; a clipped sum then takes a second backward pass), ``"chunked"``, or
         ``"materialize"`` (per-example gradients, then their norms).
