@@ -51,6 +51,21 @@ def reference_clipped_sum(model, ids, max_norm, loss_fn=lm_loss):
     return {k: torch.tensordot(factors, g.double(), dims=1) for k, g in grads.items()}
 
 
+def checked_ghost_call(model, loss_fn, high=20):
+    """``(loss, params, ids)`` of a batch of token ids below ``high``, after a first ghost
+    clipped sum has checked the layout (the later calls take the light backward pass)."""
+    ids = torch.randint(0, high, (6, 7), generator=torch.Generator().manual_seed(1))
+    loss = pergrad.module_loss(model, loss_fn)
+    params = loss.params()
+    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    return loss, params, ids
+
+
+def assert_sums_equal(got, want):
+    for name, value in want.items():
+        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+
+
 def ghost_sum_recording(monkeypatch, loss, params, ids):
     """A ghost clipped sum of ``ids``, and what its backward passes differentiated (each
     ``torch.autograd.grad`` call's inputs)."""
@@ -72,10 +87,7 @@ def ghost_sum_recording(monkeypatch, loss, params, ids):
 def test_bias_free_layers_differentiate_their_outputs_not_their_weights(in_place, monkeypatch):
     torch.manual_seed(0)
     model = BiasFree(in_place)
-    ids = torch.randint(0, 20, (6, 7), generator=torch.Generator().manual_seed(1))
-    loss = pergrad.module_loss(model, lm_loss)
-    params = loss.params()
-    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    loss, params, ids = checked_ghost_call(model, lm_loss)
     got, asked = ghost_sum_recording(monkeypatch, loss, params, ids)
     differentiated = [x for x in asked if x.is_leaf and x.dim() >= 2]  # weight matrices
     assert len(asked) > len(differentiated)  # every layer's output was reached some way
@@ -84,8 +96,7 @@ def test_bias_free_layers_differentiate_their_outputs_not_their_weights(in_place
     else:
         assert differentiated == []
     want = reference_clipped_sum(model, ids, 0.1)
-    for name, value in want.items():
-        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+    assert_sums_equal(got, want)
 
 
 class SharedInput(nn.Module):
@@ -117,10 +128,7 @@ def test_square_projections_of_one_input_differentiate_that_input_once(monkeypat
     loop's."""
     torch.manual_seed(0)
     model = SharedInput()
-    ids = torch.randint(0, 20, (6, 7), generator=torch.Generator().manual_seed(1))
-    loss = pergrad.module_loss(model, lm_loss)
-    params = loss.params()
-    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    loss, params, ids = checked_ghost_call(model, lm_loss)
     outputs: dict[str, list] = {}
     handles = [
         getattr(model, name).register_forward_hook(
@@ -139,8 +147,7 @@ def test_square_projections_of_one_input_differentiate_that_input_once(monkeypat
     projected = [outputs[name][-1] for name in ("q", "k", "v")]
     assert not any(x is y for x in asked for y in projected)
     want = reference_clipped_sum(model, ids, 0.1)
-    for name, value in want.items():
-        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+    assert_sums_equal(got, want)
 
 
 class BiasFreeHead(nn.Module):
@@ -173,12 +180,8 @@ def test_an_output_the_loss_changes_in_place_is_not_relied_on(classes, monkeypat
     doubles the logits)."""
     torch.manual_seed(0)
     model = BiasFreeHead(classes)
-    ids = torch.randint(0, 3, (6, 7), generator=torch.Generator().manual_seed(1))
-    loss = pergrad.module_loss(model, scaling_loss)
-    params = loss.params()
-    clipped_sum_of(loss, params, ids, ids, max_norm=0.1, strategy="ghost")  # checks the layout
+    loss, params, ids = checked_ghost_call(model, scaling_loss, high=3)
     got, asked = ghost_sum_recording(monkeypatch, loss, params, ids)
     assert [tuple(x.shape) for x in asked if x.is_leaf and x.dim() >= 2] == [(classes, 8)]
     want = reference_clipped_sum(model, ids, 0.1, scaling_loss)
-    for name, value in want.items():
-        torch.testing.assert_close(got.sum[name].double(), value, rtol=1e-5, atol=1e-7)
+    assert_sums_equal(got, want)

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pergrad._src.norms import per_example_norms
 from pergrad._src.strategies import registry
 
 _REMEMBERED: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
@@ -69,12 +70,11 @@ def compiled_bytes(
             result, ran = registry.execute("reduce", request, strategy, chosen)
             if ran != "materialize":
                 return result.squared_norms, result.weighted_sums
-            grads = jax.tree.leaves(result)
-            squared = sum((g.reshape(g.shape[0], -1) ** 2).sum(1) for g in grads)
+            norms = per_example_norms(result)
             if not clipped:
-                return squared
-            weights = _unit_weights([squared])
-            return squared, [jax.numpy.tensordot(weights, g, 1) for g in grads]
+                return norms
+            weights = 1.0 / jax.numpy.maximum(1.0, norms)
+            return norms, [jax.numpy.tensordot(weights, g, 1) for g in jax.tree.leaves(result)]
 
         analysis = jax.jit(step).lower(*abstract).compile().memory_analysis()
         if analysis is None:

@@ -108,11 +108,9 @@ def embedding_squared_norms(site: Site, param: Any, inputs: Any, cotangents: Any
     return _embedding_squared_norms(site, inputs, cotangents).astype(param.dtype)
 
 
-def norm_route(site: Site) -> str:
-    """How the ghost strategy computes the per-example norms of ``site``'s parameter, from the
-    traced shapes (for ``choose_strategy``'s ``norm_routes``)."""
-    if site.family == "embedding":
-        return "each example's cotangents summed per row it looks up (nothing formed)"
+def dense_factor_shape(site: Site) -> tuple[int, int, int] | None:
+    """``(T, K, F)`` of :func:`dense_factors` for one example of ``site``, from its traced
+    shapes; None where it has none (a convolution, a contraction with batch dimensions)."""
     operand = site.eqn.invars[1 - site.param_operand].aval
     output = site.eqn.outvars[0].aval
     shapes = jax.eval_shape(
@@ -120,9 +118,21 @@ def norm_route(site: Site) -> str:
         jax.ShapeDtypeStruct((1, *operand.shape), operand.dtype),
         jax.ShapeDtypeStruct((1, *output.shape), output.dtype),
     )
-    if shapes is None:  # a convolution, or a contraction with batch dimensions
-        return "the per-example gradient of the parameter formed, one example at a time"
+    if shapes is None:
+        return None
     (_, positions, k), (_, _, f) = shapes[0].shape, shapes[1].shape
+    return positions, k, f
+
+
+def norm_route(site: Site) -> str:
+    """How the ghost strategy computes the per-example norms of ``site``'s parameter, from the
+    traced shapes (for ``choose_strategy``'s ``norm_routes``)."""
+    if site.family == "embedding":
+        return "each example's cotangents summed per row it looks up (nothing formed)"
+    shape = dense_factor_shape(site)
+    if shape is None:  # a convolution, or a contraction with batch dimensions
+        return "the per-example gradient of the parameter formed, one example at a time"
+    positions, k, f = shape
     if positions == 1:
         return "one position: |x|^2 |g|^2 (nothing formed)"
     gram_cheaper = gram_is_cheaper(positions, k, f)

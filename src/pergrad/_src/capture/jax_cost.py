@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import math
 
-import jax
-
 from pergrad._src.capture import cost
-from pergrad._src.capture.jax_contractions import dense_factors
+from pergrad._src.capture.jax_contractions import dense_factor_shape
 from pergrad._src.capture.jax_engine import JaxGhostPlan, Site
 from pergrad._src.capture.jax_rules import rule_for
 
@@ -32,18 +30,13 @@ def site_work(site: Site, numbers: int) -> cost.LayerWork:
     out_numbers = math.prod(output.shape)
     if site.family == "embedding":
         return cost.LayerWork("light", 1, (out_numbers,), 1, numbers)
-    operand = site.eqn.invars[1 - site.param_operand].aval
-    shapes = jax.eval_shape(
-        lambda i, c: dense_factors(site, i, c),
-        jax.ShapeDtypeStruct((1, *operand.shape), operand.dtype),
-        jax.ShapeDtypeStruct((1, *output.shape), output.dtype),
-    )
-    if shapes is None:  # a convolution: its per-example gradient formed over its positions
+    shape = dense_factor_shape(site)
+    if shape is None:  # a convolution: its per-example gradient formed over its positions
         param_shape = site.eqn.invars[site.param_operand].aval.shape
         widest = max(param_shape, default=1)
         positions = max(1, out_numbers // widest)
         return cost.LayerWork("formed", positions, (), 1, numbers)
-    (_, positions, width_in), (_, _, width_out) = shapes[0].shape, shapes[1].shape
+    positions, width_in, width_out = shape
     return cost.LayerWork("dense", positions, (width_in, width_out), 1, numbers)
 
 

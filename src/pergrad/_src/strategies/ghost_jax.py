@@ -56,11 +56,15 @@ from pergrad._src.strategies.protocol import (
 )
 
 
+def leaf_sizes(call: Call) -> list[int]:
+    """Each differentiated leaf's size, in the core's flat order."""
+    return [math.prod(call.backend.shape(call.leaves[i][j])) for i, j in call.diff_positions]
+
+
 def materialized_numbers(ghost_plan: JaxGhostPlan, call: Call) -> int:
     """How many per-example gradient numbers the leaves without a site need: ``B x size``."""
-    leaves = [call.leaves[i][j] for i, j in call.diff_positions]
-    size = sum(math.prod(call.backend.shape(leaves[k])) for k in ghost_plan.other)
-    return call.batch_size * size
+    sizes = leaf_sizes(call)
+    return call.batch_size * sum(sizes[k] for k in ghost_plan.other)
 
 
 def assess(request: ReduceRequest, forced: bool) -> Assessment:
@@ -120,7 +124,7 @@ def _materialize_is_cheaper(request: ReduceRequest, found: JaxGhostPlan) -> tupl
     call = request.call
     if request.users is not None or request.compiled_bytes is None:
         return False, ""
-    sizes = [math.prod(call.backend.shape(call.leaves[i][j])) for i, j in call.diff_positions]
+    sizes = leaf_sizes(call)
     numbers = call.batch_size * sum(sizes)
     if numbers < cost.MIN_CHOICE_NUMBERS:
         return False, ""
