@@ -7,7 +7,9 @@ rounds badly in float32 where per-position gradients cancel: pergrad computes it
 with a certified rounding bound where that bound is tight enough, else in float64. Side by side
 in one run, medians of 7 (interleaved), on float32 inputs: a bare float32 Gram route, the
 float64 one (in T x T blocks), forming the per-example gradient ``a^T d``, pergrad's certified
-float32 Gram and formed routes (each with its bound), the layer's own forward pass as the unit
+float32 Gram and formed routes (each with its bound; the Gram route also forming every ``T x
+T`` block, as before it formed only those on and above the diagonal), the layer's own forward
+pass as the unit
 of cost, and what pergrad's per-layer cost model (``cost.gram_is_cheaper``, priced in the
 precision the Gram route takes: ``cost.FAST_GRAM_COST`` for the certified float32 one) picks
 and costs.
@@ -40,6 +42,8 @@ SHAPES = [
     (32, 65, 128, 128),
     (32, 32, 64, 192),  # pergrad.bench's transformer
     (32, 96, 256, 256),
+    (8, 256, 768, 3072),  # GPT-2 small's MLP at 256 tokens (the symmetric blocks: 2 of 128)
+    (2, 1024, 1024, 4096),  # a wider MLP at 1024 tokens (8 blocks of 128)
 ]
 
 
@@ -61,6 +65,16 @@ def certified(a: torch.Tensor, d: torch.Tensor, route: object) -> object:
     return torch_norms._in_chunks(a, d, route, 0.0)  # noqa: SLF001
 
 
+def every_block(a: torch.Tensor, d: torch.Tensor) -> object:
+    """The certified float32 Gram route forming every ``T x T`` block, as before the symmetric
+    blocks (``cost.SYMMETRIC_GRAM`` off while it runs)."""
+    cost.SYMMETRIC_GRAM = False
+    try:
+        return certified(a, d, torch_norms._gram_in)  # noqa: SLF001
+    finally:
+        cost.SYMMETRIC_GRAM = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -69,6 +83,7 @@ def main() -> None:
     torch.manual_seed(0)
     header = ["B", "T", "in", "out", "float32 Gram ms", "float64 Gram ms", "formed ms"]
     header += ["certified Gram ms", "certified formed ms", "certified Gram / formed"]
+    header += ["certified Gram, every block ms", "symmetric / every block"]
     header += ["T (p + q) / p q", "layer forward ms", "float64 / float32", "pergrad takes"]
     header.append("pergrad ms")
     rows = []
@@ -83,6 +98,7 @@ def main() -> None:
             "formed": functools.partial(formed, a, d),
             "certified Gram": functools.partial(certified, a, d, torch_norms._gram_in),  # noqa: SLF001
             "certified formed": functools.partial(certified, a, d, torch_norms._formed_in),  # noqa: SLF001
+            "every block": functools.partial(every_block, a, d),
             "forward": functools.partial(torch.matmul, a, w),
         }
         times = time_interleaved(methods, args.rounds, warmup=1)
@@ -96,6 +112,7 @@ def main() -> None:
             [str(batch), str(length), str(width_in), str(width_out)]
             + [f"{ms[name]:.2f}" for name in ("f32", "f64", "formed")]
             + [f"{ms['certified Gram']:.2f}", f"{ms['certified formed']:.2f}", f"{ratio:.2f}"]
+            + [f"{ms['every block']:.2f}", f"{ms['certified Gram'] / ms['every block']:.2f}"]
             + [f"{length * (width_in + width_out) / (width_in * width_out):.2f}"]
             + [f"{ms['forward']:.2f}", f"{ms['f64'] / ms['f32']:.2f}", taken]
             + [f"{ms['pergrad']:.2f}"]

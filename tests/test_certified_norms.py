@@ -228,6 +228,56 @@ def test_coarse_gram_bound_only_for_short_narrow_layers():
     assert not cost.coarse_gram_bound_suffices(512, (768, 768), unit)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    length=st.integers(2, 40),
+    block=st.integers(1, 40),
+    cancel=CANCEL,
+    coarse=st.booleans(),
+)
+def test_symmetric_gram_blocks_hold_the_bound_and_agree_with_all_blocks(
+    seed, length, block, cancel, coarse
+):
+    """The Gram route forms only the blocks on and above the diagonal (those above counted
+    twice, cost.SYMMETRIC_GRAM): its bound still covers the exact squared norm, and its
+    estimate is the all-blocks route's up to the two bounds; any block side, fine or
+    coarse bound."""
+    from pergrad._src.capture import torch_norms
+
+    inputs, grads = records(seed, 3, length, 9, 7, cancel)
+    a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_: coarse)
+        patch.setattr(torch_norms, "SYMMETRIC_MIN_BLOCK", 1)
+        patch.setattr(torch_norms, "SYMMETRIC_BLOCK", block)
+        symmetric = torch_norms._gram_in(a, d, 0.0)
+        patch.setattr(cost, "SYMMETRIC_GRAM", False)
+        every = torch_norms._gram_in(a, d, 0.0)
+    exact = exact_squared(inputs, grads)
+    assert_certified(symmetric.estimate.numpy(), symmetric.bound.numpy(), exact)
+    assert_certified(every.estimate.numpy(), every.bound.numpy(), exact)
+    gap = (symmetric.estimate.double() - every.estimate.double()).abs()
+    assert torch.all(gap <= symmetric.bound.double() + every.bound.double())
+
+
+def test_symmetric_gram_blocks_by_sequence_length():
+    """Short sequences stay one block; longer ones split into blocks of about
+    SYMMETRIC_BLOCK positions, at least two."""
+    from pergrad._src.capture import torch_norms
+
+    shortest = 2 * torch_norms.SYMMETRIC_MIN_BLOCK
+    side = torch_norms.SYMMETRIC_BLOCK
+    assert torch_norms.symmetric_block(shortest - 1) == shortest - 1
+    assert torch_norms.symmetric_block(shortest) == shortest // 2
+    assert torch_norms.symmetric_block(2 * side) == side
+    assert torch_norms.symmetric_block(8 * side) == side
+    assert torch_norms.symmetric_block(8 * side + 1) == side + 1  # 9 blocks would be too many
+    for length in range(shortest, 20 * side, 7):
+        block = torch_norms.symmetric_block(length)
+        assert 2 <= -(-length // block) and block >= torch_norms.SYMMETRIC_MIN_BLOCK
+
+
 # --- the bound is what keeps a clipped example within max_norm ---------------------------------
 
 WIDTH = 32  # 2 T (p + q) <= p q at T = 8: the Gram route

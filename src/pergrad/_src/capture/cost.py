@@ -53,6 +53,10 @@ FAST_GRAM_PRICED = True
 # the step 5% slower than with that layer formed; its q, k, v and MLP layers, under this
 # margin, never.
 FAST_GRAM_PRICE_MARGIN = 1 / 64
+# True: the Gram route forms only the T x T blocks on and above the diagonal, those above
+# counted twice (both Gram matrices are symmetric); False: every block, as before (a
+# benchmark's baseline, read at each call).
+SYMMETRIC_GRAM = True
 # The unit roundoff the cost model prices the fast route at (float32).
 FLOAT32_UNIT = 2.0**-24
 

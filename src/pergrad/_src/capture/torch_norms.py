@@ -401,7 +401,12 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     is formed, and the bound of an example whose positions do not cancel stays under
     ``cost.FAST_MARGIN`` of the tolerance (one that cancels is computed again). No underflow
     is assumed (its errors are absolute, below ``2**-126`` per operation in float32, far under
-    any clipping bound)."""
+    any clipping bound).
+
+    Both Gram matrices are symmetric, and so is their product: with ``cost.SYMMETRIC_GRAM``
+    only the blocks on and above the diagonal are formed (:func:`symmetric_block`), each one
+    above counted twice, its share of the bound's sums with it (doubling is exact, and each
+    block's error is its own; the exact sum is the same whichever half is formed)."""
     batch, groups, positions = a.shape[:3]
     width_in, width_out = a.shape[-1], d.shape[-1]
     unit = unit_roundoff(a.dtype)
@@ -415,6 +420,9 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     count = 1 if coarse else 4
     per_entry = (2 + count) * batch * groups * a.element_size()
     block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
+    symmetric = cost.SYMMETRIC_GRAM
+    if symmetric:
+        block = min(block, symmetric_block(positions))
     blocks = -(-positions // block)
     # (2, B, G, T): |a_t| and |d_t| side by side, and each block's Gram matrices D then A, so
     # that the bound's two outer products and their two products are one kernel each
@@ -424,7 +432,10 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     sums = None
     for start in range(0, positions, block):
         rows = slice(start, start + block)
-        for other in range(0, positions, block):
+        # both Gram matrices are symmetric, so is their product: a block below the diagonal
+        # equals the transpose of its mirror's (exactly, not as computed), and the blocks above
+        # it count twice (the bound's sums with them: each block's error is its own)
+        for other in range(start if symmetric else 0, positions, block):
             cols = slice(other, other + block)
             size = (min(block, positions - start), min(block, positions - other))
             grams = a.new_empty((2, batch, groups, *size))
@@ -438,6 +449,8 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
                 torch.mul(norms[:, :, :, rows, None], norms[:, :, :, None, cols], out=parts[2:])
                 parts[2:].mul_(grams.abs_())
             found = _nested_sum(parts)
+            if other != start and symmetric:
+                found.mul_(2)  # exact in binary floating point
             sums = found if sums is None else sums.add_(found)
     assert sums is not None
     depth = 2 * block + groups + blocks * blocks
@@ -452,6 +465,29 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     bound.add_(sums[1], alpha=summed * raised)
     bound.add_(sums[2], alpha=alpha * raised).add_(sums[3], alpha=beta * raised)
     return cost.Certified(sums[0].clamp_min(0), bound)
+
+
+def symmetric_block(positions: int) -> int:
+    """The side of the ``T x T`` blocks of the symmetric Gram route (``cost.SYMMETRIC_GRAM``):
+    ``T`` in ``k = max(2, round(T / SYMMETRIC_BLOCK))`` nearly equal blocks, of which the
+    ``k (k + 1) / 2`` on and above the diagonal are formed (``(k + 1) / 2k`` of the products:
+    3/4 at ``k = 2``); under 2 * ``SYMMETRIC_MIN_BLOCK`` positions, one block (small products
+    lose more to their overhead than they save)."""
+    if positions < 2 * SYMMETRIC_MIN_BLOCK:
+        return positions
+    k = max(2, round(positions / SYMMETRIC_BLOCK))
+    return -(-positions // k)
+
+
+# The symmetric Gram route's block side, about (symmetric_block)...
+SYMMETRIC_BLOCK = 128
+# ... and its least: shorter blocks' products run too far below the matrix units' speed
+# (2-core CPU: split in blocks of 32 or 33, sequences of 64 and 65 saved nothing measurable,
+# 0.98-1.13x; benchmarks/results/cpu/gram_precision.md: two blocks of 64, 0.73-0.95x one of 128;
+# 2 of 128, 0.85x; 4, 0.79x one of 512; 8, 0.65-0.66x one of 1024).
+# The cost model still prices the route at every block's work (cost.gram_is_cheaper): a
+# Gram route it takes runs faster than priced, never slower.
+SYMMETRIC_MIN_BLOCK = 64
 
 
 def _nested_sum(x: torch.Tensor) -> torch.Tensor:
