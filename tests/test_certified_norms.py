@@ -275,7 +275,7 @@ def test_symmetric_gram_blocks_by_sequence_length():
     assert torch_norms.symmetric_block(8 * side + 1) == side + 1  # 9 blocks would be too many
     for length in range(shortest, 20 * side, 7):
         block = torch_norms.symmetric_block(length)
-        assert 2 <= -(-length // block) and block >= torch_norms.SYMMETRIC_MIN_BLOCK
+        assert -(-length // block) >= 2 and block >= torch_norms.SYMMETRIC_MIN_BLOCK
 
 
 # --- the bound is what keeps a clipped example within max_norm ---------------------------------
