@@ -422,3 +422,24 @@ def test_norm_routes_say_precision_and_certified():
         patch.setattr(cost, "FAST_NORMS", False)
         routes = pergrad.norms.choose_strategy(loss, loss.params(), x, y).norm_routes
     assert "Gram matrices in float64" in routes["0"]
+
+
+@pytest.mark.parametrize("route", ["_gram_in", "_formed_in"])
+def test_float64_chunks_reuse_one_buffer_and_keep_each_chunks_values(route):
+    """Loose examples (and layers the fast precision cannot certify) are computed in float64 a
+    few examples at a time, each chunk copied into the same float64 buffers: every example's
+    norm is still its own (a later chunk must not overwrite an earlier one's), as one example
+    at a time in float64 gives it."""
+    from pergrad._src.capture import torch_norms
+
+    inputs, grads = records(11, 5, 6, 7, 9, 1e-3)
+    a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+    rule = getattr(torch_norms, route)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_norms, "FORMED_BLOCK_BYTES", 2 * 8 * 7 * 9)  # 2 examples a chunk
+        chunked = torch_norms._in_chunks(a, d, rule, 0.0, wide=True)
+    alone = [rule(a[k : k + 1].double(), d[k : k + 1].double(), 0.0) for k in range(5)]
+    expected = torch.cat([found.estimate for found in alone]).float()
+    assert torch.equal(chunked.estimate, expected)
+    exact = exact_squared(inputs, grads)
+    assert_certified(chunked.estimate.double().numpy(), chunked.bound.double().numpy(), exact)
