@@ -292,6 +292,7 @@ def test_gaussian_noise_is_a_draw_per_leaf_in_order(monkeypatch, owned, group_nu
         shared,
         torch.randn(33, generator=generator),
         shared,  # the same array twice: two draws, both added
+        torch.randn(7, 129, generator=generator),  # vectorised draws at an odd offset of a buffer
     ]
     expected = [x.clone() for x in leaves]
     for k, drawn in enumerate(reference_noise(leaves, 0.7, seed=5)):
