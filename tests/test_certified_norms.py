@@ -215,7 +215,7 @@ def test_coarse_gram_bound_covers_the_rounding_and_bounds_the_fine_one(cancel):
     a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
     coarse = torch_norms._gram_in(a, d, 0.0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_: False)
+        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_, **__: False)
         fine = torch_norms._gram_in(a, d, 0.0)
     assert torch.equal(coarse.estimate, fine.estimate)
     assert torch.all(coarse.bound >= fine.bound)
@@ -248,7 +248,7 @@ def test_symmetric_gram_blocks_hold_the_bound_and_agree_with_all_blocks(
     inputs, grads = records(seed, 3, length, 9, 7, cancel)
     a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_: coarse)
+        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_, **__: coarse)
         patch.setattr(torch_norms, "SYMMETRIC_MIN_BLOCK", 1)
         patch.setattr(torch_norms, "SYMMETRIC_BLOCK", block)
         symmetric = torch_norms._gram_in(a, d, 0.0)
@@ -276,6 +276,80 @@ def test_symmetric_gram_blocks_by_sequence_length():
     for length in range(shortest, 20 * side, 7):
         block = torch_norms.symmetric_block(length)
         assert -(-length // block) >= 2 and block >= torch_norms.SYMMETRIC_MIN_BLOCK
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    length=st.integers(2, 20),
+    width_in=st.integers(1, 40),
+    width_out=st.integers(1, 40),
+    chunk=st.integers(1, 9),
+    cancel=CANCEL,
+    coarse=st.booleans(),
+)
+def test_gram_matrices_summed_over_width_chunks_hold_their_tighter_bound(
+    seed, length, width_in, width_out, chunk, cancel, coarse
+):
+    """PyTorch's Gram route sums a wide factor's Gram matrix over chunks of its width (the
+    last padded with zeros), and bounds each entry's rounding by the chunk's length plus the
+    number of chunks (cost.gram_entry_length), not the width: that bound must still cover
+    the exact squared norm, and the estimate agree with the unsplit route's up to both
+    bounds; any chunk, with and without padding, symmetric blocks too."""
+    from pergrad._src.capture import torch_norms
+
+    inputs, grads = records(seed, 3, length, width_in, width_out, cancel)
+    a, d = torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "coarse_gram_bound_suffices", lambda *_, **__: coarse)
+        patch.setattr(cost, "GRAM_SPLIT_WIDTH", 0)
+        patch.setattr(cost, "GRAM_CHUNK", chunk)
+        patch.setattr(torch_norms, "SYMMETRIC_MIN_BLOCK", 1)
+        patch.setattr(torch_norms, "SYMMETRIC_BLOCK", 3)
+        split = torch_norms._gram_in(a, d, 0.0)
+        lengths = [cost.gram_entry_length(width) for width in (width_in, width_out)]
+        patch.setattr(cost, "SPLIT_GRAM", False)
+        whole = torch_norms._gram_in(a, d, 0.0)
+    exact = exact_squared(inputs, grads)
+    assert_certified(split.estimate.numpy(), split.bound.numpy(), exact)
+    gap = (split.estimate.double() - whole.estimate.double()).abs()
+    assert torch.all(gap <= split.bound.double() + whole.bound.double())
+    if not coarse and lengths[0] <= width_in and lengths[1] <= width_out:
+        # the entries' bound is no looser: nor is the fine bound (up to its own rounding)
+        assert torch.all(split.bound <= whole.bound * (1 + 1e-5))
+
+
+def test_width_chunks_of_the_gram_route():
+    """Chunks of GRAM_CHUNK past GRAM_SPLIT_WIDTH, the entries' length the chunk plus the
+    number of chunks less one; narrower factors whole."""
+    assert cost.gram_chunks(cost.GRAM_SPLIT_WIDTH) == (cost.GRAM_SPLIT_WIDTH, 1)
+    assert cost.gram_chunks(3072) == (512, 6) and cost.gram_entry_length(3072) == 517
+    assert cost.gram_chunks(50257) == (512, 99) and cost.gram_entry_length(50257) == 610
+    assert cost.gram_entry_length(50257, split=False) == 50257  # JAX's: one product
+    for width in (1025, 4096, 65537):
+        chunk, count = cost.gram_chunks(width)
+        assert chunk == cost.GRAM_CHUNK and (count - 1) * chunk < width <= count * chunk
+
+
+def test_a_wide_lm_head_is_certified_in_float32_where_it_took_float64():
+    """GPT-2 small's LM head, 768 x 50257 at 128 tokens: one product over its vocabulary could
+    not certify its float32 Gram matrix (float64); summed over chunks it is, and priced as
+    such. On a narrower stand-in run for real (float32 records), the split route's bound
+    holds, and with positions that do not cancel no example is loose (computed again)."""
+    unit = 2.0**-24
+    assert not cost.fast_gram_suffices(128, (768, 50257), unit)
+    assert cost.fast_gram_priced(128, (768, 50257), unit, split=True)
+
+    inputs, grads = records(3, 2, 16, 64, 6000, 1.0)
+    assert not cost.fast_gram_suffices(16, (64, 6000), unit, margin=cost.FAST_GRAM_PRICE_MARGIN)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost, "ROUNDING_TOLERANCE", math.inf)  # the fast bound alone
+        found = torch_layers.outer_product_squared_norms(
+            torch.from_numpy(inputs)[:, None], torch.from_numpy(grads)[:, None]
+        )
+    assert found.estimate.dtype == torch.float32
+    assert_certified(found.estimate.numpy(), found.bound.numpy(), exact_squared(inputs, grads))
+    assert torch.all(found.bound < cost.ROUNDING_TOLERANCE * found.estimate)
 
 
 # --- the bound is what keeps a clipped example within max_norm ---------------------------------

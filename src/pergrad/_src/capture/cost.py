@@ -53,6 +53,18 @@ FAST_GRAM_PRICED = True
 # the step 5% slower than with that layer formed; its q, k, v and MLP layers, under this
 # margin, never.
 FAST_GRAM_PRICE_MARGIN = 1 / 64
+# True: PyTorch's Gram route sums a wide factor's Gram matrix over chunks of its width
+# (gram_chunks), which bounds each entry's rounding by chunk + count additions, not width: a
+# GPT-2 LM head (768 x 50257) is then certified in float32 where it took float64, and its MLP
+# layers' examples (3072 wide) are not loose; False: one product over the whole width, as
+# before (a benchmark's baseline, read at each call).
+SPLIT_GRAM = True
+# ... for factors wider than this, in chunks of GRAM_CHUNK (chunks of 128 cost 1.2-1.3x the
+# whole product on 768-1024-wide factors at 128 tokens, 2-core CPU: small products run below
+# the matrix units' speed; 512 wide, a GPT-2 small MLP factor's chunks cost less than the
+# float64 recomputation of its loose examples they avoid).
+GRAM_SPLIT_WIDTH = 1024
+GRAM_CHUNK = 512
 # True: the Gram route forms only the T x T blocks on and above the diagonal, those above
 # counted twice (both Gram matrices are symmetric); False: every block, as before (a
 # benchmark's baseline, read at each call).
@@ -183,39 +195,69 @@ def product_error(length: int, unit: float, input_unit: float = 0.0) -> float:
     return (1 + input_unit) ** 2 * (1 + gamma(length, unit)) - 1
 
 
+def gram_chunks(width: int) -> tuple[int, int]:
+    """``(chunk, count)``: PyTorch's Gram route (``SPLIT_GRAM``) forms the Gram matrix of a
+    factor wider than ``GRAM_SPLIT_WIDTH`` as the sum of ``count`` Gram matrices of
+    ``GRAM_CHUNK``-wide slices of its width (the last padded with zeros), so that each entry
+    passes through ``chunk + count - 1`` additions (:func:`gram_entry_length`), not
+    ``width``. ``(width, 1)`` otherwise."""
+    if not SPLIT_GRAM or width <= GRAM_SPLIT_WIDTH:
+        return width, 1
+    return GRAM_CHUNK, -(-width // GRAM_CHUNK)
+
+
+def gram_entry_length(width: int, split: bool = True) -> int:
+    """How many terms each entry of a factor's Gram matrix sums, as its rounding sees them: a
+    dot product of ``width`` terms, or with ``split`` (PyTorch's route, :func:`gram_chunks`)
+    one of ``chunk`` terms and a sum of ``count`` of those: ``chunk + count - 1``."""
+    if not split:
+        return width
+    chunk, count = gram_chunks(width)
+    return chunk + count - 1
+
+
 def fast_gram_suffices(
     positions: int,
     widths: tuple[int, ...],
     unit: float,
     input_unit: float = 0.0,
     margin: float | None = None,
+    split: bool = False,
 ) -> bool:
     """Whether the Gram route in a fast precision (``unit``, inputs rounded to ``input_unit``)
     is worth trying: its bound for ``T`` positions that add up without cancelling stays under
     ``margin * ROUNDING_TOLERANCE`` of the norm (None: ``FAST_MARGIN``). Each Gram entry is a
-    dot product over a factor's width, and their products are summed over two ``T``-long
-    axes."""
+    dot product over a factor's width (``split``: PyTorch's, over chunks of it,
+    :func:`gram_entry_length`), and their products are summed over two ``T``-long axes."""
     if not FAST_NORMS:
         return False
-    widest = product_error(max(widths), unit, input_unit)
+    widest = product_error(max(gram_entry_length(w, split) for w in widths), unit, input_unit)
     summed = gamma(2 * positions + 2, unit)
     share = FAST_MARGIN if margin is None else margin
     return len(widths) * widest + summed <= share * ROUNDING_TOLERANCE
 
 
 def fast_gram_priced(
-    positions: int, widths: tuple[int, ...], unit: float = FLOAT32_UNIT, input_unit: float = 0.0
+    positions: int,
+    widths: tuple[int, ...],
+    unit: float = FLOAT32_UNIT,
+    input_unit: float = 0.0,
+    split: bool = False,
 ) -> bool:
     """Whether a layer's Gram route is priced as the certified fast one (``FAST_GRAM_COST``)
     rather than float64's: ``FAST_GRAM_PRICED`` and its bound within
-    ``FAST_GRAM_PRICE_MARGIN`` (see there)."""
+    ``FAST_GRAM_PRICE_MARGIN`` (see there); ``split`` as for :func:`fast_gram_suffices`."""
     return FAST_GRAM_PRICED and fast_gram_suffices(
-        positions, widths, unit, input_unit, FAST_GRAM_PRICE_MARGIN
+        positions, widths, unit, input_unit, FAST_GRAM_PRICE_MARGIN, split
     )
 
 
 def coarse_gram_bound_suffices(
-    positions: int, widths: tuple[int, int], unit: float, input_unit: float = 0.0
+    positions: int,
+    widths: tuple[int, int],
+    unit: float,
+    input_unit: float = 0.0,
+    split: bool = False,
 ) -> bool:
     """Whether the Gram route's bound may bound its sums ``sum |A_ts D_ts|``, ``sum |a_t||a_s|
     |D_ts|``, ``sum |A_ts| |d_t||d_s|`` by Cauchy-Schwarz, ``|A_ts| <= |a_t||a_s|``: each by
@@ -226,8 +268,8 @@ def coarse_gram_bound_suffices(
     its arithmetic, cost the time."""
     if not FAST_NORMS:
         return False
-    alpha = product_error(widths[0], unit, input_unit)
-    beta = product_error(widths[1], unit, input_unit)
+    alpha = product_error(gram_entry_length(widths[0], split), unit, input_unit)
+    beta = product_error(gram_entry_length(widths[1], split), unit, input_unit)
     share = gamma(2 * positions + 2, unit) + alpha + beta + alpha * beta
     return positions * share * (1 + alpha) * (1 + beta) <= FAST_MARGIN * ROUNDING_TOLERANCE
 
@@ -301,7 +343,7 @@ def formed_or_gram_route(
             f"again in float64)"
         )
         fast_limit = gram_limit_for(widths, fast=True)
-        if fast_gram_priced(fast_limit, widths, input_unit=input_unit):
+        if fast_gram_priced(fast_limit, widths, input_unit=input_unit, split=True):
             limit = fast_limit
         gram = (
             f"Gram matrices in {fast}, certified, for up to {limit} positions per example where "
@@ -394,7 +436,7 @@ def layer_norm_work(layer: LayerWork, fast_gram: bool = True) -> float:
     positions, (width_in, width_out) = layer.positions, layer.widths
     if positions <= 1:
         return float(layer.groups * (width_in + width_out))
-    fast = fast_gram and fast_gram_priced(positions, (width_in, width_out))
+    fast = fast_gram and fast_gram_priced(positions, (width_in, width_out), split=True)
     if gram_is_cheaper(positions, width_in, width_out, fast):
         work = gram_cost(fast) * positions * positions * (width_in + width_out)
     else:

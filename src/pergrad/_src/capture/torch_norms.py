@@ -65,10 +65,11 @@ def outer_product_squared_norms(activations: torch.Tensor, output_grads: torch.T
         )
     input_unit = _input_unit(activations)
     unit = unit_roundoff(activations.dtype)
-    fast = cost.fast_gram_suffices(positions, (width_in, width_out), unit, input_unit)
+    widths = (width_in, width_out)
+    fast = cost.fast_gram_suffices(positions, widths, unit, input_unit, split=True)
     # the certified fast Gram route is priced as such (cost.FAST_GRAM_COST) where its bound
     # leaves room for cancellation (cost.fast_gram_priced), else at float64's crossover
-    priced = cost.fast_gram_priced(positions, (width_in, width_out), unit, input_unit)
+    priced = cost.fast_gram_priced(positions, widths, unit, input_unit, split=True)
     gram = gram_is_cheaper(positions, width_in, width_out, priced)
     if gram and not fast and _has_float64(activations):
         # the fast precision could not certify a Gram sum tightly: float64, as before
@@ -414,15 +415,21 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     batch, groups, positions = a.shape[:3]
     width_in, width_out = a.shape[-1], d.shape[-1]
     unit = unit_roundoff(a.dtype)
-    alpha = cost.product_error(width_in, unit, input_unit)
-    beta = cost.product_error(width_out, unit, input_unit)
-    coarse = cost.coarse_gram_bound_suffices(positions, (width_in, width_out), unit, input_unit)
+    alpha = cost.product_error(cost.gram_entry_length(width_in), unit, input_unit)
+    beta = cost.product_error(cost.gram_entry_length(width_out), unit, input_unit)
+    coarse = cost.coarse_gram_bound_suffices(
+        positions, (width_in, width_out), unit, input_unit, split=True
+    )
+    # a wide factor's Gram matrices as sums over chunks of its width (cost.gram_chunks)
+    chunked = [_in_width_chunks(x) for x in (d, a)]
+    widest = max(cost.gram_chunks(width)[1] for width in (width_in, width_out))
     # (4 or 1, B): the sum, then sum |A D|, sum |a_t||a_s| |D_ts| and sum |A_ts| |d_t||d_s|
     # (not needed for a coarse bound), each block's matrices written side by side and reduced
     # by one nested sum: a third of the kernels of reducing each alone (small layers are
     # kernel-bound)
     count = 1 if coarse else 4
-    per_entry = (2 + count) * batch * groups * a.element_size()
+    # the two Gram matrices, the bound's, and a chunked one's terms before they are summed
+    per_entry = (2 + count + (widest if widest > 1 else 0)) * batch * groups * a.element_size()
     block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
     symmetric = cost.SYMMETRIC_GRAM
     if symmetric:
@@ -443,8 +450,12 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
             cols = slice(other, other + block)
             size = (min(block, positions - start), min(block, positions - other))
             grams = a.new_empty((2, batch, groups, *size))
-            torch.matmul(d[:, :, rows], d[:, :, cols].transpose(-1, -2), out=grams[0])
-            torch.matmul(a[:, :, rows], a[:, :, cols].transpose(-1, -2), out=grams[1])
+            for k, (x, pieces) in enumerate(zip((d, a), chunked)):
+                if pieces is None:
+                    torch.matmul(x[:, :, rows], x[:, :, cols].transpose(-1, -2), out=grams[k])
+                else:  # (B, G, n, r, c) terms, summed over the n chunks in any order
+                    terms = torch.matmul(pieces[:, :, :, rows], pieces[:, :, :, cols].mT)
+                    torch.sum(terms, dim=2, out=grams[k])
             parts = grams.new_empty((count, *grams.shape[1:]))
             torch.mul(grams[1], grams[0], out=parts[0])
             if not coarse:
@@ -469,6 +480,24 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     bound.add_(sums[1], alpha=summed * raised)
     bound.add_(sums[2], alpha=alpha * raised).add_(sums[3], alpha=beta * raised)
     return cost.Certified(sums[0].clamp_min(0), bound)
+
+
+def _in_width_chunks(x: torch.Tensor) -> torch.Tensor | None:
+    """``x (B, G, T, w)`` as ``(B, G, n, T, c)``: its width in ``n`` chunks of ``c``
+    (``cost.gram_chunks``; the last padded with zeros, which add nothing to a dot product), or
+    None where the width stays whole. One copy of ``x``; each ``T x T`` block of its Gram
+    matrix is then ``n`` products of ``c``-wide slices, summed."""
+    batch, groups, positions, width = x.shape
+    chunk, count = cost.gram_chunks(width)
+    if count == 1:
+        return None
+    full = width // chunk
+    make = x.new_empty if full == count else x.new_zeros
+    pieces = make((batch, groups, count, positions, chunk))
+    pieces[:, :, :full].copy_(x[..., : full * chunk].unflatten(-1, (full, chunk)).transpose(2, 3))
+    if full < count:
+        pieces[:, :, full, :, : width - full * chunk].copy_(x[..., full * chunk :])
+    return pieces
 
 
 def symmetric_block(positions: int) -> int:
