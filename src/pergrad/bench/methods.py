@@ -135,12 +135,34 @@ def build_torch_loop(workload, model, x, y) -> Call:
 
 
 def build_pergrad_torch(workload, model, x, y) -> Call:
+    """pergrad's per-example gradients of a loss function of one example (through
+    ``functional_call``), as ``torch.func`` takes it: pergrad sees no layers, only a function."""
     import pergrad
 
     model, x_t, y_t = torch_inputs(model, x, y)
     params = detached_params(model)
     fn = pergrad.per_example_grads(loss_of_one(workload, model))
     return synced(lambda: fn(params, x_t, y_t), device_of(model))
+
+
+def build_pergrad_module_torch(workload, model, x, y) -> Call:
+    """pergrad's per-example gradients as its README writes them: ``module_loss`` of the model
+    and the torch loss function itself (whose per-example losses pergrad knows, no vmap), the
+    layers' own rules."""
+    import pergrad
+
+    model, x_t, y_t = torch_inputs(model, x, y)
+    loss = pergrad.module_loss(model, torch_loss_function(workload))
+    params = loss.params()
+    fn = pergrad.per_example_grads(loss)
+    return synced(lambda: fn(params, x_t, y_t), device_of(model))
+
+
+def torch_loss_function(workload: Workload) -> Callable[..., Any]:
+    """The ``torch.nn.functional`` loss of ``workload`` (``torch_loss`` with its defaults)."""
+    import torch.nn.functional as F
+
+    return F.mse_loss if workload.loss == "mse" else F.cross_entropy
 
 
 def build_torch_write(workload, model, x, y) -> Call:
@@ -334,6 +356,7 @@ METHODS = [
     Method("torch write B×P", "torch", "write", (), build_torch_write),
     Method(LOOP, "torch", "grads", (), build_torch_loop),
     Method("pergrad (torch)", "torch", "grads", ("pergrad",), build_pergrad_torch),
+    Method("pergrad module_loss (torch)", "torch", "grads", ("pergrad",), build_pergrad_module_torch),
     Method("torch.func vmap(grad)", "torch", "grads", (), build_torch_func),
     Method("opacus GradSampleModule", "torch", "grads", ("opacus",), build_opacus_grad_sample),
     Method("opacus ghost norms", "torch", "norms", ("opacus",), build_opacus_ghost_norms),
