@@ -304,6 +304,69 @@ def test_gaussian_noise_is_a_draw_per_leaf_in_order(monkeypatch, owned, group_nu
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def chunked_reference(size: int, chunk: int, generator):
+    """A large CPU draw as documented (``torch_backend.NOISE_CHUNK_NUMBERS``): one seed a
+    chunk from ``generator`` (``torch.randint`` below ``2**62``), then each chunk
+    ``torch.randn`` from a generator of its seed, one after another."""
+    import torch
+
+    count = -(-size // chunk)
+    seeds = torch.randint(2**62, (count,), generator=generator, dtype=torch.int64).tolist()
+    sizes = [min(chunk, size - k * chunk) for k in range(count)]
+    return torch.cat(
+        [
+            torch.randn(n, generator=torch.Generator().manual_seed(seed))
+            for n, seed in zip(sizes, seeds)
+        ]
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_cpu_draws_are_chunks_of_seeded_generators_whatever_the_threads(monkeypatch, threads):
+    """A leaf of more than NOISE_CHUNK_NUMBERS numbers is drawn in chunks, side by side on
+    torch's threads: the documented numbers (one seed a chunk from the generator, in order),
+    the same on one thread as on two, and the leaves after it drawn from the generator where
+    the seeds left it."""
+    torch = pytest.importorskip("torch")
+    from pergrad._src.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "NOISE_CHUNK_NUMBERS", 64)
+    leaves = [torch.zeros(10, 100), torch.zeros(30), torch.zeros(7, 9, 3)]  # 1000, 30, 189
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        noisy, _ = dp.gaussian().add(leaves, 1.0, torch.Generator().manual_seed(7), ())
+    finally:
+        torch.set_num_threads(before)
+    generator = torch.Generator().manual_seed(7)
+    first = chunked_reference(1000, 64, generator).reshape(10, 100)
+    second = torch.randn(30, generator=generator)  # 30 numbers: torch.randn's own draw
+    third = chunked_reference(189, 64, generator).reshape(7, 9, 3)
+    for got, want in zip(noisy, (first, second, third)):
+        assert torch.equal(got, want)
+
+
+def test_chunked_draws_are_standard_normal_and_independent(monkeypatch):
+    """The chunks' numbers are standard normal (mean, variance, a tail) and the chunks do not
+    repeat one another (each its own seed): 2**18 numbers in chunks of 2**12."""
+    torch = pytest.importorskip("torch")
+    from pergrad._src.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "NOISE_CHUNK_NUMBERS", 2**12)
+    size = 2**18
+    (z,), _ = dp.gaussian().add(
+        [torch.zeros(size, dtype=torch.float64)], 1.0, torch.Generator().manual_seed(1), ()
+    )
+    assert abs(float(z.mean())) < 5 / math.sqrt(size)
+    assert abs(float(z.var()) - 1) < 5 * math.sqrt(2 / size)
+    beyond = float((z.abs() > 3).double().mean())  # P(|Z| > 3) = 0.0027
+    assert abs(beyond - math.erfc(3 / math.sqrt(2))) < 5 * math.sqrt(0.0027 / size)
+    chunks = z.reshape(-1, 2**12)
+    correlation = torch.corrcoef(chunks[:8])  # 8 chunks against each other
+    off_diagonal = correlation - torch.eye(8, dtype=correlation.dtype)
+    assert float(off_diagonal.abs().max()) < 5 / math.sqrt(2**12)
+
+
 def test_dp_optimizer_noise_is_the_reference_draws():
     torch = pytest.importorskip("torch")
     from torch import nn

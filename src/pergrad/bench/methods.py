@@ -356,7 +356,9 @@ METHODS = [
     Method("torch write B×P", "torch", "write", (), build_torch_write),
     Method(LOOP, "torch", "grads", (), build_torch_loop),
     Method("pergrad (torch)", "torch", "grads", ("pergrad",), build_pergrad_torch),
-    Method("pergrad module_loss (torch)", "torch", "grads", ("pergrad",), build_pergrad_module_torch),
+    Method(
+        "pergrad module_loss (torch)", "torch", "grads", ("pergrad",), build_pergrad_module_torch
+    ),
     Method("torch.func vmap(grad)", "torch", "grads", (), build_torch_func),
     Method("opacus GradSampleModule", "torch", "grads", ("opacus",), build_opacus_grad_sample),
     Method("opacus ghost norms", "torch", "norms", ("opacus",), build_opacus_ghost_norms),

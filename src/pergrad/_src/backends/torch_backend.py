@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,36 @@ import torch.utils._pytree as pytree
 from pergrad._src.backends import runs_vectorised
 from pergrad._src.backends.secure import is_secure
 from pergrad._src.errors import PergradValueError
+
+# A draw of more numbers than this on a CPU is made in chunks of this many, each from its own
+# generator seeded from rng (one seed a chunk, drawn from rng first, in order), the chunks on up
+# to torch's intra-op thread count of threads at once: torch's CPU normal_ runs on one core, and
+# GPT-2 small's noise (124 M numbers) took 0.33 s of a 5.5 s DP step on 2 cores. The numbers
+# depend on the draw's size only, not on the threads; a smaller draw is torch.randn's.
+NOISE_CHUNK_NUMBERS = 2**20
+
+
+def _chunked_normal(rng: Any, like: Any) -> Any:
+    """Standard normal numbers shaped like ``like`` (in its dtype, on the CPU): chunk ``k`` of
+    :data:`NOISE_CHUNK_NUMBERS` from a generator seeded with the ``k``-th of the seeds drawn
+    from ``rng`` (``torch.randint`` below ``2**62``; None: torch's global generator)."""
+    count = -(-like.numel() // NOISE_CHUNK_NUMBERS)
+    seeds = torch.randint(2**62, (count,), generator=rng, dtype=torch.int64, device="cpu")
+    seeds = seeds.tolist()
+    out = torch.empty(like.numel(), dtype=like.dtype, device="cpu")
+    chunks = out.split(NOISE_CHUNK_NUMBERS)
+
+    def draw(k: int) -> None:
+        chunks[k].normal_(generator=torch.Generator(device="cpu").manual_seed(seeds[k]))
+
+    workers = min(count, torch.get_num_threads())
+    if workers > 1:  # normal_ lets go of the GIL: the chunks are drawn side by side
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw, range(count)))
+    else:
+        for k in range(count):
+            draw(k)
+    return out.view(like.shape)
 
 
 class TorchBackend:
@@ -190,6 +221,8 @@ class TorchBackend:
         # torch.randn refuses a generator of another device (a CPU generator for CUDA noise):
         # draw on the generator's device, then move the draw to like's.
         device = like.device if rng is None else rng.device
+        if torch.device(device).type == "cpu" and like.numel() > NOISE_CHUNK_NUMBERS:
+            return _chunked_normal(rng, like).to(like.device)
         draw = torch.randn(like.shape, generator=rng, dtype=like.dtype, device=device)
         return draw.to(like.device)
 

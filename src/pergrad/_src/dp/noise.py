@@ -133,7 +133,8 @@ def gaussian() -> GaussianNoise:
 
 def add_independent_gaussian(summed: Any, std: float, rng: Any, *, owned: bool = False) -> Any:
     """``summed`` plus ``std * z``, ``z`` iid standard normal per entry, one draw per leaf in
-    flat order. With ``owned``, each draw is written into its leaf (the same numbers: ``std *
+    flat order (PyTorch on a CPU: a leaf of more than ``2**20`` numbers drawn in chunks, each
+    from a generator seeded from ``rng``, side by side: ``torch_backend.NOISE_CHUNK_NUMBERS``). With ``owned``, each draw is written into its leaf (the same numbers: ``std *
     z`` rounded, then added); a leaf that appears twice in ``summed`` gets two draws, and the
     second is added to a copy."""
     if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
