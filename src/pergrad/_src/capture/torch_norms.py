@@ -349,7 +349,7 @@ def _in_chunks(
         buffer = activations.new_empty((chunk, groups, width_in, width_out), dtype=dtype)
         route = functools.partial(_formed_in, buffer=buffer)
     if wide:  # so are the float64 copies: GPT-2 small's LM head, 52 MB an example, took 0.58 s
-        # a step copied into fresh ones (its page faults), 0.25 s into these
+        # a step copied into fresh ones (their page faults), 0.17 s into these
         wide_a = activations.new_empty((chunk, *activations.shape[1:]), dtype=torch.float64)
         wide_d = output_grads.new_empty((chunk, *output_grads.shape[1:]), dtype=torch.float64)
     pieces = []
@@ -391,7 +391,9 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     rounding bound.
 
     With ``A_ts = a_t . a_s`` computed within ``alpha |a_t| |a_s|`` (``alpha =
-    cost.product_error(p)``), ``D_ts`` within ``beta |d_t| |d_s|``, each product ``A D``
+    cost.product_error(cost.gram_entry_length(p))``: a factor wider than
+    ``cost.GRAM_SPLIT_WIDTH`` summed over slices of its width, :func:`_in_width_chunks`),
+    ``D_ts`` within ``beta |d_t| |d_s|``, each product ``A D``
     rounded once and the products summed over ``s``, then ``t`` (and groups, and blocks), so
     that each passes through at most ``m`` additions:
 
