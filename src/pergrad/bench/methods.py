@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pergrad.bench.workloads import Workload, jax_batch_loss, torch_loss
+from pergrad.bench.workloads import Workload, jax_batch_loss, torch_loss, torch_loss_function
 
 Call = Callable[[], Any]
 
@@ -156,13 +156,6 @@ def build_pergrad_module_torch(workload, model, x, y) -> Call:
     params = loss.params()
     fn = pergrad.per_example_grads(loss)
     return synced(lambda: fn(params, x_t, y_t), device_of(model))
-
-
-def torch_loss_function(workload: Workload) -> Callable[..., Any]:
-    """The ``torch.nn.functional`` loss of ``workload`` (``torch_loss`` with its defaults)."""
-    import torch.nn.functional as F
-
-    return F.mse_loss if workload.loss == "mse" else F.cross_entropy
 
 
 def build_torch_write(workload, model, x, y) -> Call:

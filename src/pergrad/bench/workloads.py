@@ -31,10 +31,14 @@ class Workload:
     jax_forward: Callable[[Params, Any], Any]  # (params, x batch) -> output batch
 
 
+def torch_loss_function(workload: Workload) -> Callable[..., torch.Tensor]:
+    """The ``torch.nn.functional`` loss of ``workload`` (cross-entropy takes logits or
+    log-probs alike: log_softmax is idempotent)."""
+    return F.mse_loss if workload.loss == "mse" else F.cross_entropy
+
+
 def torch_loss(workload: Workload, output: torch.Tensor, y: torch.Tensor, reduction="mean"):
-    if workload.loss == "mse":
-        return F.mse_loss(output, y, reduction=reduction)
-    return F.cross_entropy(output, y, reduction=reduction)  # log_softmax is idempotent
+    return torch_loss_function(workload)(output, y, reduction=reduction)
 
 
 def jax_batch_loss(workload: Workload, output: Any, y: Any) -> Any:

@@ -424,14 +424,14 @@ def _gram_in(a: torch.Tensor, d: torch.Tensor, input_unit: float) -> Any:
     )
     # a wide factor's Gram matrices as sums over chunks of its width (cost.gram_chunks)
     chunked = [_in_width_chunks(x) for x in (d, a)]
-    widest = max(cost.gram_chunks(width)[1] for width in (width_in, width_out))
+    slices = max((pieces.shape[2] for pieces in chunked if pieces is not None), default=0)
     # (4 or 1, B): the sum, then sum |A D|, sum |a_t||a_s| |D_ts| and sum |A_ts| |d_t||d_s|
     # (not needed for a coarse bound), each block's matrices written side by side and reduced
     # by one nested sum: a third of the kernels of reducing each alone (small layers are
     # kernel-bound)
     count = 1 if coarse else 4
     # the two Gram matrices, the bound's, and a chunked one's terms before they are summed
-    per_entry = (2 + count + (widest if widest > 1 else 0)) * batch * groups * a.element_size()
+    per_entry = (2 + count + slices) * batch * groups * a.element_size()
     block = max(1, min(positions, int((GRAM_BLOCK_BYTES / per_entry) ** 0.5)))
     symmetric = cost.SYMMETRIC_GRAM
     if symmetric:
