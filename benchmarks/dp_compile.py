@@ -357,7 +357,8 @@ def main() -> None:
         "--backend", help="torch.compile backend (default inductor; quick: aot_eager)"
     )
     parser.add_argument(
-        "--models", help="comma-separated, as dp_transformers (default GPT-2,BERT; quick: GPT-2)"
+        "--models",
+        help="comma-separated, as dp_transformers (default GPT-2,BERT,Llama; quick: GPT-2)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's; quick: 1)")
     parser.add_argument("--out", type=Path, help="write the markdown here")
@@ -365,7 +366,7 @@ def main() -> None:
 
     if args.quick:
         args.rounds, args.threads = 2, args.threads or 1
-    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT")
+    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT,Llama")
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     config = QUICK if args.quick else FULL
     load_before = uptime()

@@ -410,6 +410,93 @@ def test_a_model_whose_layers_are_compiled_in_place_keeps_the_eager_capture(
     assert torch_compiled.describe(make_model(), {"0": "linear"}, run_alone=False) is None
 
 
+class RMSNormLike(nn.Module):
+    """The attributes of a Hugging Face RMS norm (``weight``, ``variance_epsilon``: pergrad
+    finds its rule by them and checks each call's formula). ``shift_at``: a batch size at which
+    it adds 0.1 to its output (then not an RMS norm, which its rule must refuse)."""
+
+    def __init__(self, width: int, shift_at: int | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.variance_epsilon = 1e-6
+        self.shift_at = shift_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * x_hat
+        return out + 0.1 if x.shape[0] == self.shift_at else out
+
+
+def rms_model(shift_at: int | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 8), nn.Tanh(), RMSNormLike(8, shift_at), nn.Linear(8, CLASSES)
+    ).double()
+
+
+def test_an_rms_norm_checked_by_its_rule_runs_in_whole_graphs(in_graphs: list[bool]) -> None:
+    """A layer whose rule checks each call (Hugging Face's RMS norms: Llama, Mistral, Gemma)
+    no longer cuts the compiled graph: its check runs on the eager run of each layout, and the
+    steps after the first are one graph without a break, with the eager model's updates."""
+    from torch._dynamo.utils import counters
+
+    from pergrad._src.capture import torch_compiled
+
+    steps = batches()
+    expected = dp_updates(rms_model(), steps)
+    compiled = torch.compile(rms_model(), backend="aot_eager")
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.5)
+    private = pergrad.dp.DPOptimizer(
+        optimizer,
+        compiled,
+        F.cross_entropy,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=BATCH,
+        strategy="ghost",
+    )
+    counted = []
+    for x, y in steps:
+        counters.clear()
+        assert private.step(x, y).clip_fraction == 1.0
+        counted.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    assert in_graphs == [False, True, True]
+    assert counted == [(0, 0), (1, 0), (0, 0)]
+    for a, b in zip(compiled.parameters(), expected[-1]):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+    layers = {"_orig_mod.0": "linear", "_orig_mod.2": "hf_rms_norm", "_orig_mod.3": "linear"}
+    assert "whole graphs" in torch_compiled.describe(compiled, layers, run_alone=False)
+
+
+def test_a_call_its_rule_refuses_in_a_new_compiled_layout_is_refused() -> None:
+    """A layer that passes its rule's check at one batch size and computes something else at
+    another (Poisson sampling's next size): the compiled capture checks the eager run of the
+    new layout before it compiles, the eager capture takes the step, and it refuses the layer
+    (as the eager model's step does), instead of clipping by norms of the wrong gradient."""
+
+    def steps_of(model: nn.Module) -> str:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        private = pergrad.dp.DPOptimizer(
+            optimizer,
+            model,
+            F.cross_entropy,
+            max_norm=MAX_NORM,
+            noise_multiplier=0.0,
+            expected_batch_size=BATCH,
+            strategy="ghost",
+        )
+        for x, y in batches((BATCH, BATCH)):
+            private.step(x, y)
+        with pytest.raises(ValueError, match="strategy='ghost' cannot handle") as refused:
+            private.step(*batches((BATCH - 1,))[0])
+        return str(refused.value)
+
+    eager = steps_of(rms_model(shift_at=BATCH - 1))
+    compiled = steps_of(torch.compile(rms_model(shift_at=BATCH - 1), backend="aot_eager"))
+    assert "does not compute weight * x" in eager
+    assert "does not compute weight * x" in compiled
+
+
 def inductor_or_skip() -> None:
     """Skip, with the reason, where inductor cannot build a kernel on this machine (no C++
     compiler, no Python headers): a limit of the machine, not of pergrad."""

@@ -547,3 +547,32 @@ def test_zero_noise_dp_step_under_activation_checkpointing(reentrant):
     else:
         assert stats.strategy == "ghost" and not fallbacks, fallbacks
     assert_updates_close(updates, want, rtol=RTOL)
+
+
+def test_compiled_llama_norms_run_in_whole_graphs_and_are_the_loops():
+    """``torch.compile`` d Llama (aot_eager): its RMS norms' rule checks their formula on the
+    eager run of the layout, outside the graph, so from the second call the norm pass is one
+    graph without a break (it was 18 graphs / 21 breaks, cut at each hooked layer), and every
+    example's gradient norm is the loop's."""
+    from torch._dynamo.utils import counters
+
+    model, loss_fn, inputs, targets = llama(tied=True)
+    want = torch_flat_norms(torch_module_loop_grads(model, loss_fn, inputs, targets))
+    torch._dynamo.reset()
+    try:
+        loss = pergrad.module_loss(torch.compile(model, backend="aot_eager"), loss_fn)
+        counted = []
+        for _ in range(2):  # the first call checks the layout eagerly
+            counters.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", pergrad.FallbackWarning)
+                norms = pergrad.norms.per_example_norms_of(
+                    loss, loss.params(), *inputs, *targets, strategy="ghost"
+                )
+            np.testing.assert_allclose(norms.double().numpy(), want, rtol=RTOL)
+            counted.append(
+                (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+            )
+        assert counted == [(0, 0), (1, 0)]
+    finally:
+        torch._dynamo.reset()

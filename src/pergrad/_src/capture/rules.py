@@ -70,6 +70,9 @@ ReductionFn = Callable[..., dict[str, Any]]
 # How one call is recorded: (layer, positional args, keyword args, output) -> Recorded, or None
 # to record it as a plain layer (see Recorded). Raises Unsupported to refuse the call.
 RecordFn = Callable[[Any, tuple, dict, Any], "Recorded | None"]
+# Whether one call computes what the rule assumes: (layer, positional args, keyword args,
+# output) -> None, the call then recorded as a plain layer. Raises Unsupported to refuse it.
+CheckFn = Callable[[Any, tuple, dict, Any], None]
 # Whether a layer (of a type no rule is registered for) belongs to a family: (layer) -> bool.
 MatchFn = Callable[[Any], bool]
 # How the family's squared norms are computed for this layer's shape, in words (for
@@ -121,6 +124,12 @@ class LayerRule:
         gradients are contracted with the weights (fine where they are as small as an
         activation).
       record: how the engine records a call (see :class:`Recorded`); None: a plain layer.
+      check: ``check(layer, args, kwargs, output)``, for a plain layer whose family is found by
+        a predicate (``matches``): raises ``Unsupported`` where the call does not compute what
+        the rule assumes, and changes nothing of what is recorded. The eager capture runs it
+        at every call; the whole-graph capture of a ``torch.compile`` d model
+        (``torch_compiled.py``) on the eager run of each of its layouts, outside the graph,
+        which a layer with a ``record`` keeps out of.
       batch_axes: the leading axes of a plain layer's input and output that may hold the batch,
         the first of them with the batch size being taken (moved to the front). ``(0, 1)`` for
         families that treat every leading axis alike (a linear layer in a time-first
@@ -148,6 +157,7 @@ class LayerRule:
     tokens: TokensFn | None = None
     lookups: LookupsFn | None = None
     plugins: dict[str, ReductionFn] = field(default_factory=dict, compare=False)
+    check: CheckFn | None = None
 
     def reduction(self, name: str) -> ReductionFn | None:
         """The family's function for reduction ``name``: a built-in, a plug-in of this family,
@@ -194,18 +204,19 @@ def register(
     route: RouteFn | None = None,
     tokens: TokensFn | None = None,
     lookups: LookupsFn | None = None,
+    check: CheckFn | None = None,
 ) -> Callable[[SquaredNormsFn], SquaredNormsFn]:
     """Decorator: register ``squared_norms`` (and ``per_example``) as the rule of ``layer_types``.
 
     A type is a class, or the ``"module.QualName"`` of one. Types are matched exactly, not by
     subclass: a subclass may override ``forward`` and compute something the rule does not know.
     ``matches(layer) -> bool`` registers a family by a predicate instead (tried after the
-    types), for classes pergrad cannot list; its ``record`` must then check that the layer
-    computes what the rule assumes. A rule written without ``weighted_sum`` gets one that
+    types), for classes pergrad cannot list; its ``check`` (or its ``record``) must then check
+    that the layer computes what the rule assumes. A rule written without ``weighted_sum`` gets one that
     contracts its ``per_example`` gradients with the weights (fine where those are as small as
     an activation). All three run through :func:`in_reduction_precision`. ``record``,
-    ``batch_axes``, ``nested``, ``route`` (default: "per-example gradients formed"),
-    ``tokens`` and ``lookups``: see :class:`LayerRule`.
+    ``check``, ``batch_axes``, ``nested``, ``route`` (default: "per-example gradients
+    formed"), ``tokens`` and ``lookups``: see :class:`LayerRule`.
     """
 
     def decorate(squared_norms: SquaredNormsFn) -> SquaredNormsFn:
@@ -222,6 +233,7 @@ def register(
             **({} if route is None else {"route": route}),
             tokens=tokens,
             lookups=lookups,
+            check=check,
         )
         for layer_type in layer_types:
             _RULES[layer_type] = rule

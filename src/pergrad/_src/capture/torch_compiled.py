@@ -16,8 +16,9 @@ the probes' gradients only, no weight gradient.
 When it applies: the model is ``torch.compile(model)`` (an ``OptimizedModule``), no layer under
 it is compiled in place (``layer.compile()``: its calls would be separate graphs, with the
 hooks outside them), every parameter belongs to a layer whose rule records the plain way (no
-``rules.LayerRule.record``: attention blocks and Hugging Face RMS norms keep the eager
-capture), with no generic unit or position-bias table, in a one-pass capture (not the
+``rules.LayerRule.record``: ``nn.MultiheadAttention`` keeps the eager capture; a rule's
+``check``, Hugging Face's RMS norms', runs on the eager run of each layout below, outside the
+graph), with no generic unit or position-bias table, in a one-pass capture (not the
 low-memory mode's, whose second backward pass needs the first's graph), and the layout has
 passed the ghost strategy's first-call checks (``torch_checks.has_checked``). Otherwise
 :func:`capture` returns None and the caller takes the eager capture. The first run of a layout
@@ -329,11 +330,17 @@ def _layer_calls(
     batch_size: int,
 ) -> dict[str, list[LayerCallShape]] | None:
     """Each hooked layer's calls in one eager run of the model under the compiled one (no
-    gradient); None where that run fails (the eager capture then runs, and says why)."""
+    gradient), each checked by its rule's ``check`` (which the compiled runs of the layout
+    then do without); None where that run fails or a check refuses a call (the eager capture
+    then runs, and says why)."""
     calls: dict[str, list[LayerCallShape]] = {name: [] for name in owners.modules}
     batch_axes = _batch_axes(owners)
+    checks = {name: getattr(rule_for(m), "check", None) for name, m in owners.modules.items()}
 
     def note(name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        check = checks[name]
+        if check is not None:  # (a refused call: the eager capture runs, and says why)
+            check(module, args, {}, output)
         recorded, expanded = plain_call(name, module, args, output, batch_size, batch_axes[name])
         produced = output if expanded is None else expanded
         calls[name].append(

@@ -105,6 +105,8 @@ def capturing(
 
     def hook(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict, output: Any) -> Any:
         rule = rule_for(module)
+        if rule is not None and rule.check is not None:
+            rule.check(module, args, kwargs, output)
         recorded = (
             None
             if rule is None or rule.record is None

@@ -156,11 +156,12 @@ def _hf_rms_normalize(layer: nn.Module) -> Any:
     return normalize
 
 
-def _hf_rms_record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _hf_rms_check(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Check that the layer computes ``weight * x_hat`` (or Gemma's ``(1 + weight) * x_hat``:
     the weight's gradient is ``x_hat`` times the output gradient either way) on this call;
-    it is then recorded as a plain layer. The classes are matched by their attributes, so a
-    class computing something else is refused here, not reduced wrongly."""
+    it is recorded as a plain layer. The classes are matched by their attributes, so a class
+    computing something else is refused here, not reduced wrongly (a ``torch.compile`` d
+    model's whole-graph capture checks the eager run of each layout: ``rules.LayerRule``)."""
     x = args[0] if args else None
     weight = layer.weight  # the value of this pass (functional_call swaps it in)
     if not (
@@ -192,7 +193,7 @@ _register_affine(
     normalizer=_hf_rms_normalize,
     reduce_dims=lambda layer: lambda x: tuple(range(1, x.dim() - 1)),
     matches=_is_hf_rms_norm,
-    record=_hf_rms_record,
+    check=_hf_rms_check,
     batch_axes=TOKENWISE,
 )
 
