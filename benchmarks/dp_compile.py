@@ -4,7 +4,7 @@ breaks, side by side with the eager model (issue 36).
 Run:  python benchmarks/dp_compile.py [--quick] [--backend inductor] [--out PATH.md]
 
 The committed results: ``python benchmarks/dp_compile.py --out
-benchmarks/results/cpu/dp_compile_probes.md`` (about 6 minutes on 2 cores: most of it is
+benchmarks/results/cpu/dp_compile_probes.md`` (about 3 minutes on 2 cores: most of it is
 inductor compiling; ``dp_compile.md`` is the run before the whole-graph capture).
 ``--quick``: tiny models, the ``aot_eager`` backend (no C++ compiler needed), 2 rounds: about
 30 s.
