@@ -21,7 +21,12 @@ the step; CPU work is synchronous):
 * ``other``: the rest of the step (choosing the strategy, clip weights, host reads, Python).
 
 The non-private step is split into its forward pass (model and loss), ``backward()`` and the
-SGD step. ``--records-held`` adds the DP step with every layer's records held to the end of the
+SGD step. After the timed rounds, one more step of each is run under
+``torch.utils.flop_counter.FlopCounterMode`` (each DP phase under its own): the matrix
+products' FLOPs (matrix multiplications, convolutions, attention) of the non-private step, of
+the DP step and of its norms and clipped sum, and their rates over the phases' median times:
+where the norms' products run as fast as the step's own, their time is their FLOPs, and only
+fewer FLOPs would shorten it. ``--records-held`` adds the DP step with every layer's records held to the end of the
 backward pass (``capture/cost.HOLD_FORMED`` off), as before the held gradients. Time: each
 phase's median over interleaved rounds (every method once per round, after two warm-up steps).
 """
@@ -93,6 +98,79 @@ def timed_phases(spent: dict[str, float]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def counted_phases(flops: dict[str, float]) -> Iterator[None]:
+    """The DP step's norms and clipped-sum functions wrapped to add the FLOPs of their matrix
+    products into ``flops`` (each call under a ``FlopCounterMode`` of its own)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pergrad._src.capture import torch_passes, torch_quantities
+
+    targets = [
+        (torch_passes, "_reduce_records", "norms"),
+        (torch_quantities, "weighted_sums", "clipped sum"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def counting(function: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with FlopCounterMode(display=False) as counter:
+                result = function(*args, **kwargs)
+            flops[phase] += counter.get_total_flops()
+            return result
+
+        return counted
+
+    for (owner, name, phase), (_, _, original) in zip(targets, originals):
+        setattr(owner, name, counting(original, phase))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def step_flops(steps: dict[str, Callable[[], Any]]) -> dict[str, dict[str, float]]:
+    """One more step of each method: the FLOPs of its matrix products, in all (``total``) and,
+    for the DP step, of its norms and clipped sum."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    found: dict[str, dict[str, float]] = {}
+    for name, run in steps.items():
+        phases: dict[str, float] = defaultdict(float)
+        with FlopCounterMode(display=False) as counter:
+            run()
+        phases["total"] = counter.get_total_flops()
+        if name != "non-private":
+            with counted_phases(phases):
+                run()
+        found[name] = dict(phases)
+    return found
+
+
+def flops_row(workload: Any, times: dict[str, dict[str, float]], flops: Any) -> list[str]:
+    """GFLOP of the non-private step, the DP step, its norms and clipped sum; and GFLOP/s of
+    the non-private step, the norms and the clipped sum over their median times."""
+    plain, dp = flops["non-private"], flops[DP]
+    plain_ms, dp_ms = times["non-private"], times[DP]
+
+    def rate(gflop: float, ms: float) -> str:
+        return f"{gflop / ms * 1e3:.0f}" if ms else ""
+
+    g = {key: value / 1e9 for key, value in dp.items()}
+    base = plain["total"] / 1e9
+    return [
+        workload.name,
+        f"{base:.1f}",
+        f"{g['total']:.1f} ({g['total'] / base:.2f}x)",
+        f"{g.get('norms', 0.0):.1f} ({g.get('norms', 0.0) / base:.0%})",
+        f"{g.get('clipped sum', 0.0):.1f}",
+        rate(base, plain_ms["total"]),
+        rate(g.get("norms", 0.0), dp_ms["norms"]),
+        rate(g.get("clipped sum", 0.0), dp_ms["clipped sum"]),
+    ]
+
+
 def plain_phases(workload: Any) -> Callable[[], dict[str, float]]:
     """The non-private step, its forward pass, ``backward()`` and SGD step timed apart."""
     torch.manual_seed(0)
@@ -132,8 +210,11 @@ def dp_phases(workload: Any, held: bool) -> Callable[[], dict[str, float]]:
     return run
 
 
-def measure(workload: Any, rounds: int, records_held: bool) -> dict[str, dict[str, float]]:
-    """Each method's median ms per phase (and ``total``), interleaved rounds."""
+def measure(
+    workload: Any, rounds: int, records_held: bool
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Each method's median ms per phase (and ``total``), interleaved rounds; and the FLOPs of
+    one more step of each (:func:`step_flops`)."""
     steps = {"non-private": plain_phases(workload), DP: dp_phases(workload, True)}
     if records_held:
         steps[HELD] = dp_phases(workload, False)
@@ -143,13 +224,14 @@ def measure(workload: Any, rounds: int, records_held: bool) -> dict[str, dict[st
     for _ in range(rounds):
         for name, run in steps.items():
             samples[name].append(run())
-    return {
+    times = {
         name: {
             key: 1e3 * statistics.median(s.get(key, 0.0) for s in runs)
             for key in (*PHASES, "total")
         }
         for name, runs in samples.items()
     }
+    return times, step_flops(steps)
 
 
 def rows_of(workload: Any, found: dict[str, dict[str, float]]) -> list[list[str]]:
@@ -201,12 +283,13 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     start_load = load_average()
-    rows, sentences = [], []
+    rows, sentences, flop_rows = [], [], []
     for model in args.models.split(","):
         for name, length, size in WORKLOADS[model]:
             workload = dpt.Workload(name, length, size)
-            found = measure(workload, args.rounds, args.records_held)
+            found, flops = measure(workload, args.rounds, args.records_held)
             rows += rows_of(workload, found)
+            flop_rows.append(flops_row(workload, found, flops))
             sentences.append(extra_sentence(workload, found))
             print(sentences[-1], flush=True)
     header = ["workload", "method", "step ms", "time / non-private", *(f"{p} ms" for p in PHASES)]
@@ -215,6 +298,22 @@ def main() -> None:
             markdown_table(header, rows, "llrr" + "r" * len(PHASES)),
             "Where the DP step's extra time goes (its phases against the non-private step's):",
             "\n".join(f"- {s}" for s in sentences),
+            "The matrix products' work (`FlopCounterMode`, one more step of each; GFLOP/s: "
+            "over the phases' median times above):",
+            markdown_table(
+                [
+                    "workload",
+                    "non-private GFLOP",
+                    "DP GFLOP",
+                    "norms GFLOP (of non-private)",
+                    "clipped sum GFLOP",
+                    "GFLOP/s non-private step",
+                    "GFLOP/s norms",
+                    "GFLOP/s clipped sum",
+                ],
+                flop_rows,
+                "lrrrrrrr",
+            ),
         ]
     )
     publish(

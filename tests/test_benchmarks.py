@@ -348,6 +348,30 @@ def test_dp_step_profile_quick_run(tmp_path) -> None:
     assert "at pergrad/_src/torch/dp_step.py" in text
 
 
+@pytest.mark.slow(reason="a subprocess run of the small ViT's steps, 1 round: about 10 s")
+def test_dp_time_split_counts_the_phases_and_their_flops(tmp_path) -> None:
+    """benchmarks/dp_time_split.py on the ViT: each phase timed, and the FLOP table: the DP
+    step does the non-private step's products and its norms' on top (so more FLOPs), its
+    norms' FLOPs counted (not 0), and a rate for each phase."""
+    pytest.importorskip("transformers", reason="the split runs Hugging Face models")
+    out = tmp_path / "dp_time_split.md"
+    command = [sys.executable, "benchmarks/dp_time_split.py", "--models", "ViT"]
+    command += ["--rounds", "1", "--out", str(out)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+    assert text.startswith("# The DP step's time, phase by phase (CPU)")
+    phases = [line for line in text.splitlines() if line.startswith("| ViT T=65 B=32 | pergrad")]
+    assert len(phases) == 1 and all(cell.strip() for cell in phases[0].split("|")[3:8])
+    (row,) = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in text.split("The matrix products' work")[1].splitlines()
+        if line.startswith("| ViT")
+    ]
+    plain, dp, norms = (float(cell.split()[0]) for cell in row[1:4])
+    assert norms > 0 and dp > plain + 0.9 * norms
+    assert all(float(rate) > 0 for rate in row[5:8])
+
+
 @pytest.mark.slow(
     reason="a subprocess quick run that compiles JAX transformer steps: about 35 s on 2 CPU cores"
 )
