@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -495,6 +496,101 @@ def test_a_call_its_rule_refuses_in_a_new_compiled_layout_is_refused() -> None:
     compiled = steps_of(torch.compile(rms_model(shift_at=BATCH - 1), backend="aot_eager"))
     assert "does not compute weight * x" in eager
     assert "does not compute weight * x" in compiled
+
+
+class AttentionNet(nn.Module):
+    """A linear embedding, ``nn.MultiheadAttention`` (whose rule records its projections' inputs
+    and the parameter values of the pass: a ``record``), and a linear head over the mean."""
+
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+        self.need_weights = need_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        attended, _ = self.attn(h, h, h, need_weights=self.need_weights)
+        return self.head(attended.mean(1))
+
+
+def attention_model(need_weights: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return AttentionNet(need_weights).double()
+
+
+def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(4)
+    return [
+        (
+            torch.randn(BATCH, 4, FEATURES, dtype=torch.float64, generator=generator),
+            torch.randint(0, CLASSES, (BATCH,), generator=generator),
+        )
+        for _ in range(3)
+    ]
+
+
+def counted_dp_steps(
+    model: nn.Module, steps: list[Any], strategy: str = "ghost"
+) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """Dynamo's (graphs compiled, graph breaks) in each of noiseless DP steps of ``model``
+    (every example clipped), and the parameters after them."""
+    from torch._dynamo.utils import counters
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    private = pergrad.dp.DPOptimizer(
+        optimizer,
+        model,
+        F.cross_entropy,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=BATCH,
+        strategy=strategy,
+    )
+    counted = []
+    for x, y in steps:
+        counters.clear()
+        assert private.step(x, y).clip_fraction == 1.0
+        counted.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    return counted, [p.detach().clone() for p in model.parameters()]
+
+
+def test_multihead_attention_runs_in_whole_graphs(in_graphs: list[bool]) -> None:
+    """``nn.MultiheadAttention`` (``need_weights=False``, as ``nn.TransformerEncoderLayer`` and
+    torchvision's ViT call it), whose rule records more than its positional inputs: its record
+    is traced into the compiled graph, the probe added to the attention's output, and the steps
+    after the first are one graph without a break, with the eager model's updates."""
+    steps = token_batches()
+    _, expected = counted_dp_steps(attention_model(False), steps)
+    counted, got = counted_dp_steps(
+        torch.compile(attention_model(False), backend="aot_eager"), steps
+    )
+    assert in_graphs == [False, True, True]
+    assert counted == [(0, 0), (1, 0), (0, 0)]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(attention_model(False), backend="aot_eager")
+    loss = pergrad.module_loss(compiled, F.cross_entropy)
+    reason = pergrad.norms.choose_strategy(loss, loss.params(), *steps[0]).reason
+    assert "whole graphs" in reason and "need_weights=True keeps the eager capture" in reason
+
+
+def test_attention_weights_keep_the_eager_capture(in_graphs: list[bool]) -> None:
+    """``need_weights=True``: the weights are an output the rule does not read, and a compiled
+    backward pass gives every output of its graph a gradient (zeros included), so whether the
+    loss reaches them cannot be seen in a whole graph: the eager capture runs, and the steps
+    (``"auto"``: the chunked strategy where the ghost one refuses) equal the eager model's."""
+    steps = token_batches()
+    _, expected = counted_dp_steps(attention_model(True), steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pergrad.FallbackWarning)
+        _, got = counted_dp_steps(
+            torch.compile(attention_model(True), backend="aot_eager"), steps, strategy="auto"
+        )
+    assert True not in in_graphs
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def inductor_or_skip() -> None:

@@ -50,7 +50,10 @@ from pergrad._src.capture.torch_layers import (
 )
 from pergrad._src.errors import Unsupported
 
-_FORWARD = inspect.signature(nn.MultiheadAttention.forward)
+# nn.MultiheadAttention.forward's arguments after self, by position, and their defaults
+_PARAMETERS = tuple(inspect.signature(nn.MultiheadAttention.forward).parameters.values())[1:]
+_NAMES = tuple(parameter.name for parameter in _PARAMETERS)
+_DEFAULTS = {p.name: p.default for p in _PARAMETERS if p.default is not inspect.Parameter.empty}
 
 
 @dataclass
@@ -100,9 +103,10 @@ def _record(
     layer: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict, output: Any
 ) -> Recorded:
     """The call's arguments, batch first, and the values of the parameters in this pass."""
-    arguments = _FORWARD.bind(layer, *args, **kwargs)
-    arguments.apply_defaults()
-    given = arguments.arguments
+    # by name, the defaults filled in, as Signature.bind and apply_defaults would give them
+    # (the call ran, so they bind): written out, as a compiled model's whole-graph capture
+    # traces this and dynamo does not trace bind (torch_compiled.py)
+    given = {**_DEFAULTS, **dict(zip(_NAMES, args)), **kwargs}
     query, key, value = given["query"], given["key"], given["value"]
     if not all(
         isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_nested

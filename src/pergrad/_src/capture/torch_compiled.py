@@ -15,15 +15,22 @@ the probes' gradients only, no weight gradient.
 
 When it applies: the model is ``torch.compile(model)`` (an ``OptimizedModule``), no layer under
 it is compiled in place (``layer.compile()``: its calls would be separate graphs, with the
-hooks outside them), every parameter belongs to a layer whose rule records the plain way (no
-``rules.LayerRule.record``: ``nn.MultiheadAttention`` keeps the eager capture; a rule's
-``check``, Hugging Face's RMS norms', runs on the eager run of each layout below, outside the
-graph), with no generic unit or position-bias table, in a one-pass capture (not the
+hooks outside them), every parameter belongs to a layer with a rule, with no generic unit or
+position-bias table, in a one-pass capture (not the
 low-memory mode's, whose second backward pass needs the first's graph), and the layout has
 passed the ghost strategy's first-call checks (``torch_checks.has_checked``). Otherwise
 :func:`capture` returns None and the caller takes the eager capture. The first run of a layout
 (its checks) runs with dynamo off (:func:`eager_until_checked`): nothing is compiled for it.
 Not thread-safe: the hooks find the run's probes and lists through one global (``_ACTIVE``).
+
+A call is recorded as the eager capture records it (``torch_engine.recorded_call``), traced
+into the graph: plainly, or by its rule's ``record`` (``nn.MultiheadAttention``: its inputs,
+masks and the parameter values of the pass), the probe then added to the output the record
+names, in the layer's returned structure. A rule's ``check`` (Hugging Face's RMS norms) runs on
+the eager run of each layout and batch size (:func:`_layer_calls`), outside the graph. A layout
+with a call whose record has an output the rule does not read (attention weights,
+``need_weights=True``) keeps the eager capture: its tensor hook sees whether the loss reaches
+them, where a compiled backward pass gives every output of its graph a gradient, zeros included.
 
 Completeness: a probe needs each layer call's output shape, and the records must cover every
 call. The first compiled capture of a layout runs the model once eagerly (no gradient) with
@@ -50,8 +57,8 @@ from torch import nn
 from torch.func import functional_call
 
 from pergrad._src.capture import torch_checks
-from pergrad._src.capture.rules import rule_for
-from pergrad._src.capture.torch_engine import LayerRecord, plain_call
+from pergrad._src.capture.rules import LayerRule, rule_for
+from pergrad._src.capture.torch_engine import LayerRecord, recorded_call
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.core.call import Call
 from pergrad._src.core.module_loss import ModuleLoss, running_statistics_left_alone
@@ -63,8 +70,8 @@ PREFIX = "_orig_mod."
 @dataclass(frozen=True)
 class LayerCallShape:
     """One call of a hooked layer, from the eager run: the shape and dtype of the tensor the
-    probe is added to (its output, or the output broadcast to the batch), and the batch axis of
-    the recorded output."""
+    probe is added to (its output, the output broadcast to the batch, or the output its rule's
+    ``record`` names), and the batch axis of the recorded output."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -164,9 +171,6 @@ def _why_not_layers(model: nn.Module, modules: dict[str, nn.Module], run_alone: 
         return "a module under the compiled model is compiled on its own (layer.compile())"
     if run_alone:
         return "layers without a ghost rule run alone, outside the compiled graph"
-    recorded = [n for n, m in modules.items() if _records_otherwise(m)]
-    if recorded:
-        return f"layer {recorded[0]!r}'s rule records more than its positional inputs"
     if not all(name.startswith(PREFIX) for name in modules):
         return "a hooked layer is not under the compiled model"
     return None
@@ -183,16 +187,17 @@ def describe(model: nn.Module, layers: dict[str, str], run_alone: bool) -> str |
     modules = {name: named[name] for name in layers if name in named}
     why = _why_not_layers(model, modules, run_alone)
     if why is None:
+        attention = any(isinstance(m, nn.MultiheadAttention) for m in modules.values())
         return (
             "torch.compile: from the second call of each layout, the norm pass runs in whole "
             "graphs (a probe at each layer's output)"
+            + (
+                "; attention called with need_weights=True keeps the eager capture"
+                if attention
+                else ""
+            )
         )
     return f"torch.compile: the norm pass cut at each hooked layer ({why})"
-
-
-def _records_otherwise(module: nn.Module) -> bool:
-    rule = rule_for(module)
-    return rule is not None and rule.record is not None
 
 
 def capture(
@@ -239,13 +244,13 @@ def _run(
     against them (every call, no other)."""
     device = next(iter(params.values())).device
     probes = {
-        name: [_probe(c, device) for c in layer_calls]
+        name: [_probe(c.shape, c.dtype, device) for c in layer_calls]
         for name, layer_calls in compiled.calls.items()
     }
     sink: dict[str, list[tuple[Any, ...]]] = {name: [] for name in compiled.calls}
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
-    hook = functools.partial(_probe_hook, batch_size, _batch_axes(owners))
+    hook = functools.partial(_probe_hook, batch_size, _rules(owners))
     try:
         with _hooked(owners, hook):
             output = compiled.function(detached, _buffers(loss.model), probes, sink, args, kwargs)
@@ -271,12 +276,12 @@ def _receive(record: LayerRecord, axis: int, grad: torch.Tensor) -> None:
     record.receive(grad.movedim(axis, 0))
 
 
-def _probe(call: LayerCallShape, device: torch.device) -> torch.Tensor:
+def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero of the call's output shape, a leaf that requires grad: one number broadcast
     (stride 0), so that the probes take no memory of their own (an LM head's is as large as
     its logits); their gradients are full."""
-    zero = torch.zeros((), dtype=call.dtype, device=device)
-    return zero.expand(call.shape).detach().requires_grad_(True)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return zero.expand(shape).detach().requires_grad_(True)
 
 
 def _compile(model: nn.Module) -> Any:
@@ -302,24 +307,60 @@ def _compile(model: nn.Module) -> Any:
 
 def _probe_hook(
     batch_size: int,
-    batch_axes: dict[str, tuple[int, ...]],
+    rules: dict[str, LayerRule | None],
     name: str,
     module: nn.Module,
     args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     output: Any,
 ) -> Any:
-    """The forward hook traced into the compiled graph: the call's inputs to the sink, and its
-    output with the call's probe added."""
+    """The forward hook traced into the compiled graph: the call's recorded inputs to the sink,
+    and its output with the call's probe added to the tensor whose gradient its rule reads.
+    (Its rule's ``check`` ran on the eager run, which also refused the layouts this cannot
+    serve: :func:`_layer_calls`.)"""
     probes, sink = _ACTIVE.probes, _ACTIVE.sink
     assert probes is not None and sink is not None
-    recorded, expanded = plain_call(name, module, args, output, batch_size, batch_axes[name])
+    recorded, _, plain = recorded_call(
+        name, module, rules[name], args, kwargs, output, batch_size, check=False
+    )
     index = len(sink[name])
     sink[name].append(recorded.inputs)
     probe = probes[name][index]
-    produced = output if expanded is None else expanded
-    if produced.shape != probe.shape:  # (a static shape: checked while tracing)
-        raise RuntimeError(f"layer {name!r}: output {produced.shape}, expected {probe.shape}")
-    return produced + probe
+    target = recorded.output  # (the layer's output, or that output broadcast to the batch)
+    if target.shape != probe.shape:  # (a static shape: checked while tracing)
+        raise RuntimeError(f"layer {name!r}: output {target.shape}, expected {probe.shape}")
+    if plain:
+        return target + probe
+    if not _holds(output, target):  # (the eager run checked it: _layer_calls)
+        raise RuntimeError(f"layer {name!r}: its rule records a tensor the layer does not return")
+    return _replaced(output, target, target + probe)
+
+
+def _holds(output: Any, x: torch.Tensor) -> bool:
+    """Whether ``output`` (a tensor, or tuples, lists and dicts of them) holds the tensor ``x``."""
+    if isinstance(output, torch.Tensor):
+        return output is x
+    if isinstance(output, (tuple, list)):
+        return any(_holds(y, x) for y in output)
+    if isinstance(output, dict):
+        return any(_holds(y, x) for y in output.values())
+    return False
+
+
+def _replaced(output: Any, old: torch.Tensor, new: Any) -> Any:
+    """``output`` (a tensor, or tuples, lists and dicts of them) with the tensor ``old``
+    replaced by ``new``."""
+    if isinstance(output, torch.Tensor):
+        return new if output is old else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_replaced(x, old, new) for x in output)
+    if isinstance(output, dict):
+        return {key: _replaced(x, old, new) for key, x in output.items()}
+    return output
+
+
+class _NotInGraphs(Exception):
+    """A layer call the whole-graph capture cannot serve (:func:`_layer_calls`)."""
 
 
 def _layer_calls(
@@ -334,18 +375,25 @@ def _layer_calls(
     then do without); None where that run fails or a check refuses a call (the eager capture
     then runs, and says why)."""
     calls: dict[str, list[LayerCallShape]] = {name: [] for name in owners.modules}
-    batch_axes = _batch_axes(owners)
-    checks = {name: getattr(rule_for(m), "check", None) for name, m in owners.modules.items()}
+    rules = _rules(owners)
 
-    def note(name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        check = checks[name]
-        if check is not None:  # (a refused call: the eager capture runs, and says why)
-            check(module, args, {}, output)
-        recorded, expanded = plain_call(name, module, args, output, batch_size, batch_axes[name])
-        produced = output if expanded is None else expanded
-        calls[name].append(
-            LayerCallShape(tuple(produced.shape), produced.dtype, recorded.batch_axis)
+    def note(
+        name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        # (a call its rule's check refuses: the eager capture runs, and says why)
+        recorded, _, plain = recorded_call(
+            name, module, rules[name], args, kwargs, output, batch_size
         )
+        target = recorded.output
+        if not plain:
+            if any(isinstance(x, torch.Tensor) for x in recorded.unread):
+                # an output its rule does not read (attention weights, need_weights=True): the
+                # eager capture's tensor hook sees whether the loss reaches it; a compiled
+                # backward pass gives every output of its graph a gradient, zeros included
+                raise _NotInGraphs
+            if not _holds(output, target):
+                raise _NotInGraphs  # a recorded tensor that is not one the layer returns
+        calls[name].append(LayerCallShape(tuple(target.shape), target.dtype, recorded.batch_axis))
 
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
@@ -357,21 +405,17 @@ def _layer_calls(
     return calls
 
 
-def _batch_axes(owners: Ownership) -> dict[str, tuple[int, ...]]:
-    """Each layer's batch axes, as its rule allows them (looked up outside the traced hook)."""
-    axes = {}
-    for name, module in owners.modules.items():
-        rule = rule_for(module)
-        axes[name] = (0,) if rule is None else rule.batch_axes
-    return axes
+def _rules(owners: Ownership) -> dict[str, LayerRule | None]:
+    """Each layer's rule (looked up outside the traced hook)."""
+    return {name: rule_for(module) for name, module in owners.modules.items()}
 
 
 @contextmanager
 def _hooked(owners: Ownership, hook: Any) -> Iterator[None]:
-    """``hook(name, module, args, output)`` on every layer of ``owners``; removed on the way
-    out."""
+    """``hook(name, module, args, kwargs, output)`` on every layer of ``owners``; removed on
+    the way out."""
     handles = [
-        module.register_forward_hook(functools.partial(hook, name))
+        module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
         for name, module in owners.modules.items()
     ]
     try:

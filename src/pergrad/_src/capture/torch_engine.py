@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pergrad._src.capture import torch_rules  # noqa: F401  (registers every layer rule)
-from pergrad._src.capture.rules import Recorded, rule_for
+from pergrad._src.capture.rules import LayerRule, Recorded, rule_for
 from pergrad._src.capture.torch_checks import GradientSlot
 from pergrad._src.capture.torch_layers import LayerCall
 from pergrad._src.core.call import Call, Spec
@@ -105,27 +105,9 @@ def capturing(
 
     def hook(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict, output: Any) -> Any:
         rule = rule_for(module)
-        if rule is not None and rule.check is not None:
-            rule.check(module, args, kwargs, output)
-        recorded = (
-            None
-            if rule is None or rule.record is None
-            else rule.record(module, args, kwargs, output)
+        recorded, expanded, plain = recorded_call(
+            name, module, rule, args, kwargs, output, batch_size
         )
-        expanded = None
-        plain = recorded is None
-        if recorded is None:
-            axes = (0,) if rule is None else rule.batch_axes
-            recorded, expanded = plain_call(name, module, args, output, batch_size, axes)
-        elif not (
-            recorded.inputs
-            and _holds_batch(recorded.inputs[0], 0, batch_size)
-            and _holds_batch(recorded.output, recorded.batch_axis, batch_size)
-        ):
-            raise Unsupported(
-                f"layer {name!r} ({type(module).__name__}) did not get the batch of "
-                f"{batch_size} on the axes its rule expects"
-            )
         inputs = recorded.inputs
         record = LayerRecord(inputs, tuple(getattr(x, "_version", 0) for x in inputs))
         records[name].append(record)
@@ -168,6 +150,42 @@ def capturing(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def recorded_call(
+    name: str,
+    module: nn.Module,
+    rule: LayerRule | None,
+    args: tuple[Any, ...],
+    kwargs: dict,
+    output: Any,
+    batch_size: int,
+    check: bool = True,
+) -> tuple[Recorded, Any, bool]:
+    """How one call of a hooked layer is recorded: its rule's ``check`` (unless ``check`` is
+    False), then its rule's ``record``, or the plain call (:func:`plain_call`); the output to
+    replace the layer's with (None: keep it); and whether it was recorded plainly. Raises
+    :class:`Unsupported` where the call is refused, or where a rule's record does not hold the
+    batch on the axes it says."""
+    if check and rule is not None and rule.check is not None:
+        rule.check(module, args, kwargs, output)
+    recorded = (
+        None if rule is None or rule.record is None else rule.record(module, args, kwargs, output)
+    )
+    if recorded is None:
+        axes = (0,) if rule is None else rule.batch_axes
+        plain, expanded = plain_call(name, module, args, output, batch_size, axes)
+        return plain, expanded, True
+    if not (
+        recorded.inputs
+        and _holds_batch(recorded.inputs[0], 0, batch_size)
+        and _holds_batch(recorded.output, recorded.batch_axis, batch_size)
+    ):
+        raise Unsupported(
+            f"layer {name!r} ({type(module).__name__}) did not get the batch of "
+            f"{batch_size} on the axes its rule expects"
+        )
+    return recorded, None, False
 
 
 def _receive(weak: weakref.ref, axis: int, grad: torch.Tensor) -> None:
