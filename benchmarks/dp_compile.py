@@ -4,14 +4,16 @@ breaks, side by side with the eager model (issue 36).
 Run:  python benchmarks/dp_compile.py [--quick] [--backend inductor] [--out PATH.md]
 
 The committed results: ``python benchmarks/dp_compile.py --out
-benchmarks/results/cpu/dp_compile_probes.md`` (about 3 minutes on 2 cores: most of it is
+benchmarks/results/cpu/dp_compile_probes.md`` (about 4 minutes on 2 cores: most of it is
 inductor compiling; ``dp_compile.md`` is the run before the whole-graph capture).
 ``--quick``: tiny models, the ``aot_eager`` backend (no C++ compiler needed), 2 rounds: about
 30 s.
 
 Models and batches are ``benchmarks/dp_transformers.py``'s (small Hugging Face configs, no
 dropout, training mode), smaller here (2 layers, width 128, vocabulary 2048, 64 tokens) so that
-compilation stays in minutes. Six methods, each on its own copy of the model (same
+compilation stays in minutes; ``Encoder`` is PyTorch's own ``nn.TransformerEncoder`` (its
+attention an ``nn.MultiheadAttention``, called with ``need_weights=False``) between token and
+position embeddings and a classifier over the mean token, at the same sizes. Six methods, each on its own copy of the model (same
 initialisation, same batch):
 
 * ``non-private``: forward, backward, ``torch.optim.SGD`` step on the eager model;
@@ -54,7 +56,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -99,6 +101,35 @@ def workloads(quick: bool, models: list[str]) -> list[Workload]:
     ]
 
 
+class EncoderOutput(NamedTuple):
+    logits: Any
+
+
+def encoder(config: Config, length: int) -> Any:
+    """``Encoder``: PyTorch's ``nn.TransformerEncoder`` (no dropout), token and position
+    embeddings before it, a linear classifier (2 classes) over the mean token after it; called
+    as the Hugging Face models are (``input_ids``, ``position_ids``; ``.logits``)."""
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            width = config.width
+            self.tokens = nn.Embedding(config.vocab, width)
+            self.positions = nn.Embedding(length, width)
+            layer = nn.TransformerEncoderLayer(
+                width, config.heads, 4 * width, dropout=0.0, batch_first=True
+            )
+            self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+            self.head = nn.Linear(width, 2)
+
+        def forward(self, input_ids: Any, position_ids: Any) -> EncoderOutput:
+            hidden = self.tokens(input_ids) + self.positions(position_ids)
+            return EncoderOutput(self.head(self.encoder(hidden).mean(1)))
+
+    return Encoder()
+
+
 def build_step(
     method: str, workload: Workload, config: Config, backend: str
 ) -> tuple[Callable[[], Any], dict[str, str]]:
@@ -108,7 +139,8 @@ def build_step(
     import pergrad
 
     torch.manual_seed(0)
-    model = hf_model(workload.model, config, workload.length).train()
+    make = encoder if workload.model == "Encoder" else functools.partial(hf_model, workload.model)
+    model = make(config, workload.length).train()
     inputs, targets = batch(workload, config)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     if method in COMPILED:
@@ -358,7 +390,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--models",
-        help="comma-separated, as dp_transformers (default GPT-2,BERT,Llama; quick: GPT-2)",
+        help="comma-separated, as dp_transformers, and Encoder (PyTorch's own; default "
+        "GPT-2,BERT,Llama,Encoder; quick: GPT-2)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's; quick: 1)")
     parser.add_argument("--out", type=Path, help="write the markdown here")
@@ -366,7 +399,7 @@ def main() -> None:
 
     if args.quick:
         args.rounds, args.threads = 2, args.threads or 1
-    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT,Llama")
+    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT,Llama,Encoder")
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     config = QUICK if args.quick else FULL
     load_before = uptime()
