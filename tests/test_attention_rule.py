@@ -262,3 +262,25 @@ def test_attention_dropout_is_covered_in_eval_mode_only():
         model.train(training)
         choice = pergrad.norms.choose_strategy(loss, loss.params(), x, labels)  # runs nothing
         assert choice.layers["attention"] == path
+
+
+class ZeroWeightedAttention(SelfAttention):
+    """The loss reads the attention weights times zero: a gradient reaches them, all zeros,
+    and changes no parameter's gradient."""
+
+    def forward(self, x):
+        out, weights = self.attention(x, x, x)
+        return self.head(out.mean(1)) + 0.0 * weights.sum((1, 2))[:, None]
+
+
+def test_an_all_zero_gradient_at_the_attention_weights_keeps_the_rule():
+    """Only a gradient at the weights that is not all zeros refuses the rule (a compiled graph's
+    backward pass gives every output a gradient, zeros where unused); the norms are the
+    loop's."""
+    torch.manual_seed(4)
+    model = ZeroWeightedAttention().eval()
+    x, _, labels = encoder_batch(5)
+    loss = pergrad.module_loss(model, F.cross_entropy)
+    want = torch_module_loop_grads(model, F.cross_entropy, [x], [labels])
+    norms = pergrad.norms.per_example_norms_of(loss, loss.params(), x, labels, strategy="ghost")
+    np.testing.assert_allclose(norms.double().numpy(), torch_flat_norms(want), rtol=RTOL)

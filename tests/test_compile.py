@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -500,19 +499,22 @@ def test_a_call_its_rule_refuses_in_a_new_compiled_layout_is_refused() -> None:
 
 class AttentionNet(nn.Module):
     """A linear embedding, ``nn.MultiheadAttention`` (whose rule records its projections' inputs
-    and the parameter values of the pass: a ``record``), and a linear head over the mean."""
+    and the parameter values of the pass: a ``record``), and a linear head over the mean; with
+    ``uses_weights`` set, the loss reads the attention weights too (which the rule must
+    refuse)."""
 
     def __init__(self, need_weights: bool) -> None:
         super().__init__()
         self.embed = nn.Linear(FEATURES, 8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.head = nn.Linear(8, CLASSES)
-        self.need_weights = need_weights
+        self.need_weights, self.uses_weights = need_weights, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        attended, _ = self.attn(h, h, h, need_weights=self.need_weights)
-        return self.head(attended.mean(1))
+        attended, weights = self.attn(h, h, h, need_weights=self.need_weights)
+        logits = self.head(attended.mean(1))
+        return logits + 3 * weights[:, :, :1].sum(1) if self.uses_weights else logits
 
 
 def attention_model(need_weights: bool) -> nn.Module:
@@ -556,41 +558,52 @@ def counted_dp_steps(
     return counted, [p.detach().clone() for p in model.parameters()]
 
 
-def test_multihead_attention_runs_in_whole_graphs(in_graphs: list[bool]) -> None:
-    """``nn.MultiheadAttention`` (``need_weights=False``, as ``nn.TransformerEncoderLayer`` and
-    torchvision's ViT call it), whose rule records more than its positional inputs: its record
-    is traced into the compiled graph, the probe added to the attention's output, and the steps
-    after the first are one graph without a break, with the eager model's updates."""
+@pytest.mark.parametrize("need_weights", [False, True], ids=["weights-off", "weights-unused"])
+def test_multihead_attention_runs_in_whole_graphs(
+    need_weights: bool, in_graphs: list[bool]
+) -> None:
+    """``nn.MultiheadAttention``, whose rule records more than its positional inputs: its
+    record is traced into the compiled graph, the probe added to the attention's output (and,
+    with ``need_weights=True``, the module's default, another to the weights, whose gradient is
+    all zeros where the loss does not use them), and the steps after the first are one graph
+    without a break, with the eager model's updates."""
     steps = token_batches()
-    _, expected = counted_dp_steps(attention_model(False), steps)
+    _, expected = counted_dp_steps(attention_model(need_weights), steps)
     counted, got = counted_dp_steps(
-        torch.compile(attention_model(False), backend="aot_eager"), steps
+        torch.compile(attention_model(need_weights), backend="aot_eager"), steps
     )
     assert in_graphs == [False, True, True]
     assert counted == [(0, 0), (1, 0), (0, 0)]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    compiled = torch.compile(attention_model(False), backend="aot_eager")
-    loss = pergrad.module_loss(compiled, F.cross_entropy)
-    reason = pergrad.norms.choose_strategy(loss, loss.params(), *steps[0]).reason
-    assert "whole graphs" in reason and "need_weights=True keeps the eager capture" in reason
+    loss = pergrad.module_loss(torch.compile(attention_model(need_weights)), F.cross_entropy)
+    assert "whole graphs" in pergrad.norms.choose_strategy(loss, loss.params(), *steps[0]).reason
 
 
-def test_attention_weights_keep_the_eager_capture(in_graphs: list[bool]) -> None:
-    """``need_weights=True``: the weights are an output the rule does not read, and a compiled
-    backward pass gives every output of its graph a gradient (zeros included), so whether the
-    loss reaches them cannot be seen in a whole graph: the eager capture runs, and the steps
-    (``"auto"``: the chunked strategy where the ghost one refuses) equal the eager model's."""
+def test_attention_weights_the_loss_uses_refuse_the_rule_compiled(in_graphs: list[bool]) -> None:
+    """The loss reads the attention weights from the third step on (the model's flag, which
+    dynamo guards on: it compiles again), after two that did not: in whole graphs, their
+    probe's gradient is not zero, and the ghost strategy refuses the call (as for the eager
+    model) instead of leaving that path out of the norms."""
     steps = token_batches()
-    _, expected = counted_dp_steps(attention_model(True), steps)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", pergrad.FallbackWarning)
-        _, got = counted_dp_steps(
-            torch.compile(attention_model(True), backend="aot_eager"), steps, strategy="auto"
-        )
-    assert True not in in_graphs
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    inner = attention_model(True)
+    model = torch.compile(inner, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    private = pergrad.dp.DPOptimizer(
+        optimizer,
+        model,
+        F.cross_entropy,
+        max_norm=MAX_NORM,
+        noise_multiplier=0.0,
+        expected_batch_size=BATCH,
+        strategy="ghost",
+    )
+    for x, y in steps[:2]:
+        private.step(x, y)
+    inner.uses_weights = True
+    with pytest.raises(ValueError, match="attention weights"):
+        private.step(*steps[2])
+    assert in_graphs == [False, True, True]  # the refused step's records came from graphs
 
 
 def inductor_or_skip() -> None:

@@ -27,10 +27,11 @@ A call is recorded as the eager capture records it (``torch_engine.recorded_call
 into the graph: plainly, or by its rule's ``record`` (``nn.MultiheadAttention``: its inputs,
 masks and the parameter values of the pass), the probe then added to the output the record
 names, in the layer's returned structure. A rule's ``check`` (Hugging Face's RMS norms) runs on
-the eager run of each layout and batch size (:func:`_layer_calls`), outside the graph. A layout
-with a call whose record has an output the rule does not read (attention weights,
-``need_weights=True``) keeps the eager capture: its tensor hook sees whether the loss reaches
-them, where a compiled backward pass gives every output of its graph a gradient, zeros included.
+the eager run of each layout and batch size (:func:`_layer_calls`), outside the graph. An
+output a rule's record does not read (attention weights, ``need_weights=True``) gets a probe
+of its own: a compiled backward pass gives every output of its graph a gradient, zeros where
+the loss does not use it, and a gradient there that is not all zeros refuses the call
+(``torch_engine.note_unread``), as the eager capture's tensor hook does.
 
 Completeness: a probe needs each layer call's output shape, and the records must cover every
 call. The first compiled capture of a layout runs the model once eagerly (no gradient) with
@@ -58,7 +59,7 @@ from torch.func import functional_call
 
 from pergrad._src.capture import torch_checks
 from pergrad._src.capture.rules import LayerRule, rule_for
-from pergrad._src.capture.torch_engine import LayerRecord, recorded_call
+from pergrad._src.capture.torch_engine import LayerRecord, note_unread, recorded_call
 from pergrad._src.capture.torch_plan import Ownership
 from pergrad._src.core.call import Call
 from pergrad._src.core.module_loss import ModuleLoss, running_statistics_left_alone
@@ -71,11 +72,14 @@ PREFIX = "_orig_mod."
 class LayerCallShape:
     """One call of a hooked layer, from the eager run: the shape and dtype of the tensor the
     probe is added to (its output, the output broadcast to the batch, or the output its rule's
-    ``record`` names), and the batch axis of the recorded output."""
+    ``record`` names), the batch axis of the recorded output, and the shapes and dtypes of the
+    outputs its rule does not read (``Recorded.unread``: attention weights), each of which
+    gets a probe of its own, whose gradient says whether the loss reaches it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     batch_axis: int
+    unread: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
 
 @dataclass
@@ -104,6 +108,7 @@ class _Active:
     with)."""
 
     probes: dict[str, list[torch.Tensor]] | None = None
+    unread: dict[str, list[tuple[torch.Tensor, ...]]] | None = None
     sink: dict[str, list[tuple[Any, ...]]] | None = None
 
 
@@ -187,15 +192,9 @@ def describe(model: nn.Module, layers: dict[str, str], run_alone: bool) -> str |
     modules = {name: named[name] for name in layers if name in named}
     why = _why_not_layers(model, modules, run_alone)
     if why is None:
-        attention = any(isinstance(m, nn.MultiheadAttention) for m in modules.values())
         return (
             "torch.compile: from the second call of each layout, the norm pass runs in whole "
             "graphs (a probe at each layer's output)"
-            + (
-                "; attention called with need_weights=True keeps the eager capture"
-                if attention
-                else ""
-            )
         )
     return f"torch.compile: the norm pass cut at each hooked layer ({why})"
 
@@ -247,28 +246,39 @@ def _run(
         name: [_probe(c.shape, c.dtype, device) for c in layer_calls]
         for name, layer_calls in compiled.calls.items()
     }
+    unread = {
+        name: [tuple(_probe(*u, device) for u in c.unread) for c in layer_calls]
+        for name, layer_calls in compiled.calls.items()
+    }
     sink: dict[str, list[tuple[Any, ...]]] = {name: [] for name in compiled.calls}
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
     hook = functools.partial(_probe_hook, batch_size, _rules(owners))
     try:
         with _hooked(owners, hook):
-            output = compiled.function(detached, _buffers(loss.model), probes, sink, args, kwargs)
+            output = compiled.function(
+                detached, _buffers(loss.model), probes, unread, sink, args, kwargs
+            )
     except Exception:  # noqa: BLE001  (the eager capture runs it again, and raises what it raises)
         return None
     finally:
-        _ACTIVE.probes = _ACTIVE.sink = None
+        _ACTIVE.probes = _ACTIVE.unread = _ACTIVE.sink = None
     if {n: len(s) for n, s in sink.items()} != {n: len(c) for n, c in compiled.calls.items()}:
         return None  # a call not recorded (a graph reused without the hooks), or one too many
     records: dict[str, list[LayerRecord]] = {name: [] for name in owners.modules}
     for name, layer_calls in compiled.calls.items():
-        for recorded, probe, expected in zip(sink[name], probes[name], layer_calls):
+        for recorded, probe, others, expected in zip(
+            sink[name], probes[name], unread[name], layer_calls
+        ):
             record = LayerRecord(recorded, tuple(getattr(x, "_version", 0) for x in recorded))
             record.hooked = True
             axis = expected.batch_axis
             probe.register_hook(functools.partial(_receive, record, axis))
+            for other in others:  # a gradient there, not all zero, refuses the call
+                other.register_hook(functools.partial(note_unread, weakref.ref(record)))
             records[name].append(record)
     flat = [p for layer_probes in probes.values() for p in layer_probes]
+    flat += [p for layer_others in unread.values() for others in layer_others for p in others]
     return CompiledCapture(output, records, flat)
 
 
@@ -293,13 +303,14 @@ def _compile(model: nn.Module) -> Any:
         params: dict[str, torch.Tensor],
         buffers: dict[str, Any],
         probes: dict[str, list[torch.Tensor]],
+        unread: dict[str, list[tuple[torch.Tensor, ...]]],
         sink: dict[str, list[tuple[Any, ...]]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        _ACTIVE.probes, _ACTIVE.sink = probes, sink
+        _ACTIVE.probes, _ACTIVE.unread, _ACTIVE.sink = probes, unread, sink
         output = functional_call(inner, (params, buffers), args, kwargs)
-        _ACTIVE.probes = _ACTIVE.sink = None
+        _ACTIVE.probes = _ACTIVE.unread = _ACTIVE.sink = None
         return output
 
     return model.dynamo_ctx(run_layers)
@@ -315,11 +326,11 @@ def _probe_hook(
     output: Any,
 ) -> Any:
     """The forward hook traced into the compiled graph: the call's recorded inputs to the sink,
-    and its output with the call's probe added to the tensor whose gradient its rule reads.
-    (Its rule's ``check`` ran on the eager run, which also refused the layouts this cannot
-    serve: :func:`_layer_calls`.)"""
-    probes, sink = _ACTIVE.probes, _ACTIVE.sink
-    assert probes is not None and sink is not None
+    and its output with the call's probe added to the tensor whose gradient its rule reads, and
+    a probe of its own to each output its rule does not read. (Its rule's ``check`` ran on the
+    eager run: :func:`_layer_calls`.)"""
+    probes, unread, sink = _ACTIVE.probes, _ACTIVE.unread, _ACTIVE.sink
+    assert probes is not None and unread is not None and sink is not None
     recorded, _, plain = recorded_call(
         name, module, rules[name], args, kwargs, output, batch_size, check=False
     )
@@ -331,9 +342,14 @@ def _probe_hook(
         raise RuntimeError(f"layer {name!r}: output {target.shape}, expected {probe.shape}")
     if plain:
         return target + probe
-    if not _holds(output, target):  # (the eager run checked it: _layer_calls)
-        raise RuntimeError(f"layer {name!r}: its rule records a tensor the layer does not return")
-    return _replaced(output, target, target + probe)
+    pairs = [(target, target + probe)]
+    others = [x for x in recorded.unread if isinstance(x, torch.Tensor)]
+    pairs += [(other, other + extra) for other, extra in zip(others, unread[name][index])]
+    for old, new in pairs:
+        if not _holds(output, old):  # (the eager run checked it: _layer_calls)
+            raise RuntimeError(f"layer {name!r}: its rule records a tensor it does not return")
+        output = _replaced(output, old, new)
+    return output
 
 
 def _holds(output: Any, x: torch.Tensor) -> bool:
@@ -385,15 +401,13 @@ def _layer_calls(
             name, module, rules[name], args, kwargs, output, batch_size
         )
         target = recorded.output
-        if not plain:
-            if any(isinstance(x, torch.Tensor) for x in recorded.unread):
-                # an output its rule does not read (attention weights, need_weights=True): the
-                # eager capture's tensor hook sees whether the loss reaches it; a compiled
-                # backward pass gives every output of its graph a gradient, zeros included
-                raise _NotInGraphs
-            if not _holds(output, target):
-                raise _NotInGraphs  # a recorded tensor that is not one the layer returns
-        calls[name].append(LayerCallShape(tuple(target.shape), target.dtype, recorded.batch_axis))
+        others = [x for x in recorded.unread if isinstance(x, torch.Tensor)]
+        if not plain and not all(_holds(output, x) for x in [target, *others]):
+            raise _NotInGraphs  # a recorded tensor that is not one the layer returns
+        unread = tuple((tuple(x.shape), x.dtype) for x in others)
+        calls[name].append(
+            LayerCallShape(tuple(target.shape), target.dtype, recorded.batch_axis, unread)
+        )
 
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)

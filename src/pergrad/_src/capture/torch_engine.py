@@ -69,12 +69,12 @@ def model_and_loss_arguments(
 @dataclass
 class LayerRecord(GradientSlot):
     """One call of a hooked layer: what its rule reads (``Recorded.inputs``), their versions
-    when it read them, its output gradient (batch first: the ``GradientSlot``), and whether a
-    gradient reached an output the rule does not read."""
+    when it read them, its output gradient (batch first: the ``GradientSlot``), and the largest
+    magnitude of the gradients that reached an output the rule does not read (None: none did)."""
 
     inputs: tuple[Any, ...]
     input_versions: tuple[int, ...]
-    unread_grad: bool = False
+    unread_grad: torch.Tensor | None = None
     # The recorded output and its version then: differentiating it (while no in-place op has
     # changed it) reaches the output gradient without any weight gradient (capture/torch_passes.capture).
     output: torch.Tensor | None = None
@@ -133,7 +133,7 @@ def capturing(
                 record.light_input = first
         for other in recorded.unread:
             if isinstance(other, torch.Tensor) and other.requires_grad:
-                other.register_hook(functools.partial(_note_unread, weak))
+                other.register_hook(functools.partial(note_unread, weak))
         return expanded
 
     # Under torch.compile, dynamo cannot put a tensor hook that stores into a record in its
@@ -195,11 +195,17 @@ def _receive(weak: weakref.ref, axis: int, grad: torch.Tensor) -> None:
         record.receive(grad.movedim(axis, 0))
 
 
-def _note_unread(weak: weakref.ref, grad: torch.Tensor) -> None:
-    """An unread output's tensor hook: a gradient reached it."""
+def note_unread(weak: weakref.ref, grad: torch.Tensor | None) -> None:
+    """An unread output's tensor hook: a gradient reached it; its largest magnitude is kept
+    (a 0-d tensor: not read here, so no host sync in the backward pass). A gradient of zeros
+    everywhere changes no parameter's gradient, so it does not refuse the call: a compiled
+    graph's backward pass gives every output of its graph a gradient, zeros for those the loss
+    does not use (attention weights returned but not used)."""
     record = weak()
-    if record is not None:
-        record.unread_grad = True
+    if record is not None and grad is not None:  # (None: a compiled graph's unused output)
+        largest = grad.detach().abs().amax()
+        known = record.unread_grad
+        record.unread_grad = largest if known is None else torch.maximum(known, largest)
 
 
 def plain_call(
@@ -380,7 +386,8 @@ def layer_calls(module_name: str, records: list[LayerRecord]) -> list[LayerCall]
     """The calls of a layer whose output reached the loss, for its rule. Raises
     :class:`Unsupported` where the records cannot be trusted."""
     for record in records:
-        if record.unread_grad:
+        # (a NaN gradient is not 0: refused)
+        if record.unread_grad is not None and not bool(record.unread_grad == 0):
             raise Unsupported(
                 f"the loss depends on an output of layer {module_name!r} that its rule does not "
                 f"read (attention weights)"
