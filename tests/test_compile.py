@@ -102,11 +102,10 @@ def assert_unchanged(before: dict[str, Any], after: dict[str, Any]) -> None:
         assert torch.equal(after["params"][name], value), name
 
 
-def dp_update(model: nn.Module, strategy: str) -> list[torch.Tensor]:
-    """The parameters after one noiseless DP-SGD step of ``model`` on the batch."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
+def dp_optimizer(model: nn.Module, strategy: str = "ghost") -> Any:
+    """A noiseless ``DPOptimizer`` over SGD for ``model``, clipping every example (``MAX_NORM``)."""
+    return pergrad.dp.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
         model,
         F.cross_entropy,
         max_norm=MAX_NORM,
@@ -114,6 +113,11 @@ def dp_update(model: nn.Module, strategy: str) -> list[torch.Tensor]:
         expected_batch_size=BATCH,
         strategy=strategy,
     )
+
+
+def dp_update(model: nn.Module, strategy: str) -> list[torch.Tensor]:
+    """The parameters after one noiseless DP-SGD step of ``model`` on the batch."""
+    private = dp_optimizer(model, strategy)
     taken = private.step(*make_batch())
     assert taken.clip_fraction == 1.0  # the clipping is exercised, not a no-op
     return [p.detach().clone() for p in model.parameters()]
@@ -187,16 +191,7 @@ def dp_updates(
 ) -> list[list[torch.Tensor]]:
     """The parameters after each of several noiseless DP-SGD steps of ``model`` (every example
     clipped)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
-        model,
-        F.cross_entropy,
-        max_norm=MAX_NORM,
-        noise_multiplier=0.0,
-        expected_batch_size=BATCH,
-        strategy=strategy,
-    )
+    private = dp_optimizer(model, strategy)
     updates = []
     for x, y in batches:
         assert private.step(x, y).clip_fraction == 1.0
@@ -263,16 +258,7 @@ def test_the_hot_path_of_a_compiled_ghost_step_is_one_graph(in_graphs: list[bool
 
     counted = []
     compiled, _ = compiled_whole("aot_eager")
-    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
-        compiled,
-        F.cross_entropy,
-        max_norm=MAX_NORM,
-        noise_multiplier=0.0,
-        expected_batch_size=BATCH,
-        strategy="ghost",
-    )
+    private = dp_optimizer(compiled, "ghost")
     for x, y in batches():
         counters.clear()
         private.step(x, y)
@@ -445,16 +431,7 @@ def test_an_rms_norm_checked_by_its_rule_runs_in_whole_graphs(in_graphs: list[bo
     steps = batches()
     expected = dp_updates(rms_model(), steps)
     compiled = torch.compile(rms_model(), backend="aot_eager")
-    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
-        compiled,
-        F.cross_entropy,
-        max_norm=MAX_NORM,
-        noise_multiplier=0.0,
-        expected_batch_size=BATCH,
-        strategy="ghost",
-    )
+    private = dp_optimizer(compiled, "ghost")
     counted = []
     for x, y in steps:
         counters.clear()
@@ -475,16 +452,7 @@ def test_a_call_its_rule_refuses_in_a_new_compiled_layout_is_refused() -> None:
     (as the eager model's step does), instead of clipping by norms of the wrong gradient."""
 
     def steps_of(model: nn.Module) -> str:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        private = pergrad.dp.DPOptimizer(
-            optimizer,
-            model,
-            F.cross_entropy,
-            max_norm=MAX_NORM,
-            noise_multiplier=0.0,
-            expected_batch_size=BATCH,
-            strategy="ghost",
-        )
+        private = dp_optimizer(model, "ghost")
         for x, y in batches((BATCH, BATCH)):
             private.step(x, y)
         with pytest.raises(ValueError, match="strategy='ghost' cannot handle") as refused:
@@ -540,16 +508,7 @@ def counted_dp_steps(
     (every example clipped), and the parameters after them."""
     from torch._dynamo.utils import counters
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
-        model,
-        F.cross_entropy,
-        max_norm=MAX_NORM,
-        noise_multiplier=0.0,
-        expected_batch_size=BATCH,
-        strategy=strategy,
-    )
+    private = dp_optimizer(model, strategy)
     counted = []
     for x, y in steps:
         counters.clear()
@@ -588,16 +547,7 @@ def test_attention_weights_the_loss_uses_refuse_the_rule_compiled(in_graphs: lis
     steps = token_batches()
     inner = attention_model(True)
     model = torch.compile(inner, backend="aot_eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    private = pergrad.dp.DPOptimizer(
-        optimizer,
-        model,
-        F.cross_entropy,
-        max_norm=MAX_NORM,
-        noise_multiplier=0.0,
-        expected_batch_size=BATCH,
-        strategy="ghost",
-    )
+    private = dp_optimizer(model, "ghost")
     for x, y in steps[:2]:
         private.step(x, y)
     inner.uses_weights = True
