@@ -203,7 +203,7 @@ def note_unread(weak: weakref.ref, grad: torch.Tensor | None) -> None:
     does not use (attention weights returned but not used)."""
     record = weak()
     if record is not None and grad is not None:  # (None: a compiled graph's unused output)
-        largest = grad.detach().abs().amax()
+        largest = grad.detach().abs().amax() if grad.numel() else grad.new_zeros(())
         known = record.unread_grad
         record.unread_grad = largest if known is None else torch.maximum(known, largest)
 
