@@ -389,11 +389,12 @@ def test_a_model_whose_layers_are_compiled_in_place_keeps_the_eager_capture(
     owners = ownership(whole, dict(whole.named_parameters()), {})
     assert "compiled on its own" in torch_compiled.why_not(whole, owners)
     layers = {name: "linear" for name in ("_orig_mod.0", "_orig_mod.3")}
-    assert "compiled on its own" in torch_compiled.describe(whole, layers, run_alone=False)
+    assert "compiled on its own" in torch_compiled.describe(whole, layers)
     plain = compiled_whole("aot_eager")[0]
-    assert "whole graphs" in torch_compiled.describe(plain, layers, run_alone=False)
-    assert "run alone" in torch_compiled.describe(plain, layers, run_alone=True)
-    assert torch_compiled.describe(make_model(), {"0": "linear"}, run_alone=False) is None
+    assert "whole graphs" in torch_compiled.describe(plain, layers)
+    tables = {**layers, "_orig_mod.1": "position-bias"}
+    assert "position-bias tables" in torch_compiled.describe(plain, tables)
+    assert torch_compiled.describe(make_model(), {"0": "linear"}) is None
 
 
 class RMSNormLike(nn.Module):
@@ -442,7 +443,7 @@ def test_an_rms_norm_checked_by_its_rule_runs_in_whole_graphs(in_graphs: list[bo
     for a, b in zip(compiled.parameters(), expected[-1]):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
     layers = {"_orig_mod.0": "linear", "_orig_mod.2": "hf_rms_norm", "_orig_mod.3": "linear"}
-    assert "whole graphs" in torch_compiled.describe(compiled, layers, run_alone=False)
+    assert "whole graphs" in torch_compiled.describe(compiled, layers)
 
 
 def test_a_call_its_rule_refuses_in_a_new_compiled_layout_is_refused() -> None:
@@ -554,6 +555,61 @@ def test_attention_weights_the_loss_uses_refuse_the_rule_compiled(in_graphs: lis
     with pytest.raises(ValueError, match="attention weights"):
         private.step(*steps[2])
     assert in_graphs == [False, True, True]  # the refused step's records came from graphs
+
+
+class TokenEmbedding(nn.Module):
+    """A projection with a class token prepended and position embeddings added, all owned by
+    one module (as a ViT's embeddings): the two bare parameters make it a generic unit, run
+    alone over the examples, its projection keeping its own rule inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(FEATURES, 8)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.positions = nn.Parameter(0.5 * torch.randn(1, 5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.proj(x)
+        return torch.cat([self.cls.expand(len(x), -1, -1), tokens], 1) + self.positions
+
+
+class TokenModel(nn.Module):
+    """The embeddings above, a linear head over the mean token, and a learnable temperature
+    of the model itself (a unit: the model under the compiled one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = TokenEmbedding()
+        self.head = nn.Linear(8, CLASSES)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x)).mean(1)) / self.temperature
+
+
+def test_generic_units_run_in_whole_graphs(in_graphs: list[bool]) -> None:
+    """Parameters no layer rule owns (a class token and position embeddings beside a
+    projection; a temperature of the model itself) are generic units: their arguments and
+    first output are recorded inside the compiled graph with a probe on that output, so the
+    steps after the first are one graph without a break, with the eager model's updates."""
+    from pergrad._src.capture import torch_compiled
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return TokenModel().double()
+
+    steps = token_batches()
+    _, expected = counted_dp_steps(model(), steps)
+    compiled = torch.compile(model(), backend="aot_eager")
+    counted, got = counted_dp_steps(compiled, steps)
+    assert in_graphs == [False, True, True]
+    assert counted == [(0, 0), (1, 0), (0, 0)]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    loss = pergrad.module_loss(compiled, F.cross_entropy)
+    choice = pergrad.norms.choose_strategy(loss, loss.params(), *steps[0])
+    assert {choice.layers[n] for n in ("_orig_mod", "_orig_mod.embed")} == {"generic"}
+    assert "whole graphs" in torch_compiled.describe(compiled, choice.layers)
 
 
 def inductor_or_skip() -> None:

@@ -549,14 +549,16 @@ def test_zero_noise_dp_step_under_activation_checkpointing(reentrant):
     assert_updates_close(updates, want, rtol=RTOL)
 
 
-def test_compiled_llama_norms_run_in_whole_graphs_and_are_the_loops():
-    """``torch.compile`` d Llama (aot_eager): its RMS norms' rule checks their formula on the
-    eager run of the layout, outside the graph, so from the second call the norm pass is one
-    graph without a break (it was 18 graphs / 21 breaks, cut at each hooked layer), and every
-    example's gradient norm is the loop's."""
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_compiled_models_norms_run_in_whole_graphs_and_are_the_loops(name):
+    """``torch.compile`` d Llama and ViT (aot_eager): Llama's RMS norms' rule checks their formula
+    on the eager run of the layout, outside the graph, and ViT's class token and position
+    embeddings (a generic unit) are recorded in the graph with a probe on the unit's output, so
+    from the second call the norm pass is one graph without a break (Llama: it was 18 graphs /
+    21 breaks, cut at each hooked layer), and every example's gradient norm is the loop's."""
     from torch._dynamo.utils import counters
 
-    model, loss_fn, inputs, targets = llama(tied=True)
+    model, loss_fn, inputs, targets = llama(tied=True) if name == "llama" else vit()
     want = torch_flat_norms(torch_module_loop_grads(model, loss_fn, inputs, targets))
     torch._dynamo.reset()
     try:

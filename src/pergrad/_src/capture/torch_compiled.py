@@ -15,8 +15,9 @@ the probes' gradients only, no weight gradient.
 
 When it applies: the model is ``torch.compile(model)`` (an ``OptimizedModule``), no layer under
 it is compiled in place (``layer.compile()``: its calls would be separate graphs, with the
-hooks outside them), every parameter belongs to a layer with a rule, with no generic unit or
-position-bias table, in a one-pass capture (not the
+hooks outside them), every parameter belongs to a layer with a rule or to a generic unit
+(``torch_generic.py``: its arguments and first output recorded in the graph, a probe on that
+output), with no position-bias table, in a one-pass capture (not the
 low-memory mode's, whose second backward pass needs the first's graph), and the layout has
 passed the ghost strategy's first-call checks (``torch_checks.has_checked``). Otherwise
 :func:`capture` returns None and the caller takes the eager capture. The first run of a layout
@@ -60,7 +61,8 @@ from torch.func import functional_call
 from pergrad._src.capture import torch_checks
 from pergrad._src.capture.rules import LayerRule, rule_for
 from pergrad._src.capture.torch_engine import LayerRecord, note_unread, recorded_call
-from pergrad._src.capture.torch_plan import Ownership
+from pergrad._src.capture.torch_generic import UnitCall, first_tensor
+from pergrad._src.capture.torch_plan import POSITION_BIAS, Ownership
 from pergrad._src.core.call import Call
 from pergrad._src.core.module_loss import ModuleLoss, running_statistics_left_alone
 
@@ -91,6 +93,7 @@ class CompiledCapture:
     output: Any
     records: dict[str, list[LayerRecord]]
     probes: list[torch.Tensor]
+    unit_records: dict[str, list[UnitCall]]
 
 
 @dataclass
@@ -168,29 +171,29 @@ def why_not(model: nn.Module, owners: Ownership) -> str | None:
     passed its first-call checks)."""
     if not is_compiled(model):
         return "the model is not a torch.compile(model) (an OptimizedModule)"
-    return _why_not_layers(model, owners.modules, bool(owners.units or owners.tables))
+    modules = {**owners.modules, **owners.units}
+    return _why_not_layers(model, modules, bool(owners.tables))
 
 
-def _why_not_layers(model: nn.Module, modules: dict[str, nn.Module], run_alone: bool) -> str | None:
+def _why_not_layers(model: nn.Module, modules: dict[str, nn.Module], tables: bool) -> str | None:
     if _compiled_inside(model):
         return "a module under the compiled model is compiled on its own (layer.compile())"
-    if run_alone:
-        return "layers without a ghost rule run alone, outside the compiled graph"
-    if not all(name.startswith(PREFIX) for name in modules):
+    if tables:
+        return "position-bias tables are expanded to the batch outside the compiled graph"
+    if not all(name.startswith(PREFIX) or name == PREFIX[:-1] for name in modules):
         return "a hooked layer is not under the compiled model"
     return None
 
 
-def describe(model: nn.Module, layers: dict[str, str], run_alone: bool) -> str | None:
+def describe(model: nn.Module, layers: dict[str, str]) -> str | None:
     """What a ghost ``StrategyChoice`` reason says of a ``torch.compile(model)`` (None for any
-    other model): whether its norm pass runs in whole graphs, and if not, why. ``layers``: the
-    hooked layers by module name (``torch_plan.plan``); ``run_alone``: some parameters are in
-    generic units or position-bias tables."""
+    other model): whether its norm pass runs in whole graphs, and if not, why. ``layers``: each
+    hooked layer's, unit's and table's family by module name (``torch_plan.plan``)."""
     if not is_compiled(model):
         return None
     named = dict(model.named_modules())
     modules = {name: named[name] for name in layers if name in named}
-    why = _why_not_layers(model, modules, run_alone)
+    why = _why_not_layers(model, modules, POSITION_BIAS in layers.values())
     if why is None:
         return (
             "torch.compile: from the second call of each layout, the norm pass runs in whole "
@@ -224,7 +227,11 @@ def capture(
     found = None if compiled is None else _run(loss, owners, params, inputs, batch_size, compiled)
     # records of a layout the first-call checks did not pass (as the eager capture's would
     # be: torch_passes.capture decides on that signature): the eager capture runs and checks
-    signature = None if found is None else torch_checks.records_signature(found.records, batch_size)
+    signature = (
+        None
+        if found is None
+        else torch_checks.records_signature({**found.records, **found.unit_records}, batch_size)
+    )
     if signature is None or not torch_checks.is_checked(loss, "ghost", key, signature):
         layouts[exact] = None
         return None
@@ -254,8 +261,9 @@ def _run(
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
     hook = functools.partial(_probe_hook, batch_size, _rules(owners))
+    unit_hook = functools.partial(_unit_probe_hook, batch_size)
     try:
-        with _hooked(owners, hook):
+        with _hooked(owners, hook, unit_hook):
             output = compiled.function(
                 detached, _buffers(loss.model), probes, unread, sink, args, kwargs
             )
@@ -265,8 +273,16 @@ def _run(
         _ACTIVE.probes = _ACTIVE.unread = _ACTIVE.sink = None
     if {n: len(s) for n, s in sink.items()} != {n: len(c) for n, c in compiled.calls.items()}:
         return None  # a call not recorded (a graph reused without the hooks), or one too many
+    unit_records: dict[str, list[UnitCall]] = {name: [] for name in owners.units}
+    for name in owners.units:
+        for (args_, kwargs_, first), probe in zip(sink[name], probes[name]):
+            unit_call = UnitCall(args_, kwargs_, first.detach())
+            probe.register_hook(unit_call.receive)
+            unit_records[name].append(unit_call)
     records: dict[str, list[LayerRecord]] = {name: [] for name in owners.modules}
     for name, layer_calls in compiled.calls.items():
+        if name in owners.units:
+            continue
         for recorded, probe, others, expected in zip(
             sink[name], probes[name], unread[name], layer_calls
         ):
@@ -279,7 +295,7 @@ def _run(
             records[name].append(record)
     flat = [p for layer_probes in probes.values() for p in layer_probes]
     flat += [p for layer_others in unread.values() for others in layer_others for p in others]
-    return CompiledCapture(output, records, flat)
+    return CompiledCapture(output, records, flat, unit_records)
 
 
 def _receive(record: LayerRecord, axis: int, grad: torch.Tensor) -> None:
@@ -352,6 +368,27 @@ def _probe_hook(
     return output
 
 
+def _unit_probe_hook(
+    batch_size: int,
+    name: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+) -> Any:
+    """The forward hook of a generic unit (``torch_generic.py``), traced into the compiled
+    graph: its arguments and first output to the sink (what ``capturing_units`` records), and
+    its output with the call's probe added to that first output."""
+    probes, sink = _ACTIVE.probes, _ACTIVE.sink
+    assert probes is not None and sink is not None
+    first = first_tensor(output)
+    probe = probes[name][len(sink[name])]
+    if first is None or first.shape != probe.shape:  # (static shapes: checked while tracing)
+        raise RuntimeError(f"unit {name!r}: its first output is not the one its eager run gave")
+    sink[name].append((args, dict(kwargs), first))
+    return _replaced(output, first, first + probe)
+
+
 def _holds(output: Any, x: torch.Tensor) -> bool:
     """Whether ``output`` (a tensor, or tuples, lists and dicts of them) holds the tensor ``x``."""
     if isinstance(output, torch.Tensor):
@@ -409,10 +446,19 @@ def _layer_calls(
             LayerCallShape(tuple(target.shape), target.dtype, recorded.batch_axis, unread)
         )
 
+    def note_unit(
+        name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        first = first_tensor(output)
+        if first is None or first.dim() == 0 or first.shape[0] != batch_size:
+            raise _NotInGraphs  # (the eager capture refuses it, and says why)
+        calls[name].append(LayerCallShape(tuple(first.shape), first.dtype, 0))
+
+    calls.update({name: [] for name in owners.units})
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
     try:
-        with torch.no_grad(), _hooked(owners, note):
+        with torch.no_grad(), _hooked(owners, note, note_unit):
             functional_call(loss.model._orig_mod, (detached, _buffers(loss.model)), args, kwargs)
     except Exception:  # noqa: BLE001  (the eager capture runs it again, and raises what it raises)
         return None
@@ -425,12 +471,14 @@ def _rules(owners: Ownership) -> dict[str, LayerRule | None]:
 
 
 @contextmanager
-def _hooked(owners: Ownership, hook: Any) -> Iterator[None]:
-    """``hook(name, module, args, kwargs, output)`` on every layer of ``owners``; removed on
-    the way out."""
+def _hooked(owners: Ownership, hook: Any, unit_hook: Any) -> Iterator[None]:
+    """``hook(name, module, args, kwargs, output)`` on every layer of ``owners``, and
+    ``unit_hook`` (the same arguments) on every generic unit; removed on the way out."""
+    hooked = [(hook, owners.modules), (unit_hook, owners.units)]
     handles = [
-        module.register_forward_hook(functools.partial(hook, name), with_kwargs=True)
-        for name, module in owners.modules.items()
+        module.register_forward_hook(functools.partial(on_call, name), with_kwargs=True)
+        for on_call, modules in hooked
+        for name, module in modules.items()
     ]
     try:
         yield

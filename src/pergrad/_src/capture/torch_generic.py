@@ -89,7 +89,7 @@ def capturing_units(
     records: dict[str, list[UnitCall]] = {name: [] for name in units}
 
     def hook(name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        first = _first_tensor(output)
+        first = first_tensor(output)
         if first is None or first.dim() == 0 or first.shape[0] != batch_size:
             raise Unsupported(
                 f"layer {name!r} ({type(module).__name__}) did not return the batch of "
@@ -128,7 +128,7 @@ def running_alone(unit: str, module: nn.Module) -> Iterator[None]:
         ) from err
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+def first_tensor(output: Any) -> torch.Tensor | None:
     """The layer's output, or the first element of a tuple output (``nn.MultiheadAttention``
     returns ``(output, weights)``)."""
     if isinstance(output, (tuple, list)) and output:
@@ -159,7 +159,7 @@ def per_example(
         ) -> Any:
             rows = [x.unsqueeze(0) if d == 0 else x for x, d in zip(rows, dims)]
             args, kwargs = pytree.tree_unflatten(rows, spec)
-            out = _first_tensor(torch.func.functional_call(unit, {**values, **p}, args, kwargs))
+            out = first_tensor(torch.func.functional_call(unit, {**values, **p}, args, kwargs))
             return (out * output_grad.unsqueeze(0)).sum(), out.detach()[0]
 
         grads, outputs = torch.func.vmap(

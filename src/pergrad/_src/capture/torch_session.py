@@ -260,7 +260,7 @@ def _forward(
         in_graphs = torch_compiled.capture(loss, owners, call, params, inputs) if compiled else None
         if in_graphs is not None:
             output, records = in_graphs.output, in_graphs.records
-            unit_records, bias_records = {}, {}
+            unit_records, bias_records = in_graphs.unit_records, {}
         else:
             with (
                 capturing(owners.modules, batch_size) as records,

@@ -167,7 +167,7 @@ def assess(request: ReduceRequest, forced: bool, name: str = "ghost") -> Assessm
             )
             why += f"; tied weights, each use's norms and their cross terms: {ties}"
     routes = norm_routes(request.fn.model, found)
-    compiled = torch_compiled.describe(request.fn.model, layers, run_alone=found.generic_size > 0)
+    compiled = torch_compiled.describe(request.fn.model, layers)
     if compiled is not None:
         why += f"; {compiled}"
     costs = None if forced or name != "ghost" else _route_costs(request, found)
