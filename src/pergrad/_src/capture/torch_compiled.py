@@ -261,9 +261,8 @@ def _run(
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
     hook = functools.partial(_probe_hook, batch_size, _rules(owners))
-    unit_hook = functools.partial(_unit_probe_hook, batch_size)
     try:
-        with _hooked(owners, hook, unit_hook):
+        with _hooked(owners, hook, hook):
             output = compiled.function(
                 detached, _buffers(loss.model), probes, unread, sink, args, kwargs
             )
@@ -344,9 +343,12 @@ def _probe_hook(
     """The forward hook traced into the compiled graph: the call's recorded inputs to the sink,
     and its output with the call's probe added to the tensor whose gradient its rule reads, and
     a probe of its own to each output its rule does not read. (Its rule's ``check`` ran on the
-    eager run: :func:`_layer_calls`.)"""
+    eager run: :func:`_layer_calls`.) A generic unit (``name`` not in ``rules``):
+    :func:`_unit_probe`."""
     probes, unread, sink = _ACTIVE.probes, _ACTIVE.unread, _ACTIVE.sink
     assert probes is not None and unread is not None and sink is not None
+    if name not in rules:
+        return _unit_probe(name, args, kwargs, output, probes, sink)
     recorded, _, plain = recorded_call(
         name, module, rules[name], args, kwargs, output, batch_size, check=False
     )
@@ -368,19 +370,17 @@ def _probe_hook(
     return output
 
 
-def _unit_probe_hook(
-    batch_size: int,
+def _unit_probe(
     name: str,
-    module: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     output: Any,
+    probes: dict[str, list[torch.Tensor]],
+    sink: dict[str, list[tuple[Any, ...]]],
 ) -> Any:
-    """The forward hook of a generic unit (``torch_generic.py``), traced into the compiled
-    graph: its arguments and first output to the sink (what ``capturing_units`` records), and
-    its output with the call's probe added to that first output."""
-    probes, sink = _ACTIVE.probes, _ACTIVE.sink
-    assert probes is not None and sink is not None
+    """A generic unit's call (``torch_generic.py``) in the compiled graph: its arguments and
+    first output to the sink (what ``capturing_units`` records), and its output with the
+    call's probe added to that first output."""
     first = first_tensor(output)
     probe = probes[name][len(sink[name])]
     if first is None or first.shape != probe.shape:  # (static shapes: checked while tracing)
