@@ -4,7 +4,7 @@ breaks, side by side with the eager model (issue 36).
 Run:  python benchmarks/dp_compile.py [--quick] [--backend inductor] [--out PATH.md]
 
 The committed results: ``python benchmarks/dp_compile.py --out
-benchmarks/results/cpu/dp_compile_probes.md`` (about 4 minutes on 2 cores: most of it is
+benchmarks/results/cpu/dp_compile_probes.md`` (about 5 minutes on 2 cores: most of it is
 inductor compiling; ``dp_compile.md`` is the run before the whole-graph capture).
 ``--quick``: tiny models, the ``aot_eager`` backend (no C++ compiler needed), 2 rounds: about
 30 s.
@@ -391,7 +391,7 @@ def main() -> None:
     parser.add_argument(
         "--models",
         help="comma-separated, as dp_transformers, and Encoder (PyTorch's own; default "
-        "GPT-2,BERT,Llama,Encoder; quick: GPT-2)",
+        "GPT-2,BERT,Llama,Encoder,ViT; quick: GPT-2)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's; quick: 1)")
     parser.add_argument("--out", type=Path, help="write the markdown here")
@@ -399,7 +399,7 @@ def main() -> None:
 
     if args.quick:
         args.rounds, args.threads = 2, args.threads or 1
-    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT,Llama,Encoder")
+    args.models = args.models or ("GPT-2" if args.quick else "GPT-2,BERT,Llama,Encoder,ViT")
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     config = QUICK if args.quick else FULL
     load_before = uptime()
