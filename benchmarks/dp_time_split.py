@@ -64,20 +64,25 @@ WORKLOADS = {
 
 
 @contextlib.contextmanager
-def timed_phases(spent: dict[str, float]) -> Iterator[None]:
+def wrapped_phases(
+    targets: list[tuple[Any, str, str]], wrap: Callable[[Callable[..., Any], str], Any]
+) -> Iterator[None]:
+    """Each ``(owner, name, phase)`` of ``targets``: ``owner.name`` replaced by
+    ``wrap(original, phase)`` while inside, put back on the way out."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for (owner, name, phase), (_, _, original) in zip(targets, originals):
+        setattr(owner, name, wrap(original, phase))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def timed_phases(spent: dict[str, float]) -> Any:
     """pergrad's phase functions wrapped to add their time (s) into ``spent`` while inside."""
     from pergrad._src.capture import torch_passes, torch_quantities
     from pergrad._src.torch.dp_optimizer import DPOptimizer
-
-    targets = [
-        (torch_passes, "forward", "forward"),
-        (torch_passes, "_first_backward", "backward"),
-        (torch_passes, "_reduce_records", "norms"),
-        (torch_quantities, "weighted_sums", "clipped sum"),
-        (DPOptimizer, "_noisy_totals", "noise"),
-        (DPOptimizer, "_update", "optimizer"),
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
     def timing(function: Callable[..., Any], phase: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -89,28 +94,23 @@ def timed_phases(spent: dict[str, float]) -> Iterator[None]:
 
         return timed
 
-    for (owner, name, phase), (_, _, original) in zip(targets, originals):
-        setattr(owner, name, timing(original, phase))
-    try:
-        yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+    targets = [
+        (torch_passes, "forward", "forward"),
+        (torch_passes, "_first_backward", "backward"),
+        (torch_passes, "_reduce_records", "norms"),
+        (torch_quantities, "weighted_sums", "clipped sum"),
+        (DPOptimizer, "_noisy_totals", "noise"),
+        (DPOptimizer, "_update", "optimizer"),
+    ]
+    return wrapped_phases(targets, timing)
 
 
-@contextlib.contextmanager
-def counted_phases(flops: dict[str, float]) -> Iterator[None]:
+def counted_phases(flops: dict[str, float]) -> Any:
     """The DP step's norms and clipped-sum functions wrapped to add the FLOPs of their matrix
     products into ``flops`` (each call under a ``FlopCounterMode`` of its own)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from pergrad._src.capture import torch_passes, torch_quantities
-
-    targets = [
-        (torch_passes, "_reduce_records", "norms"),
-        (torch_quantities, "weighted_sums", "clipped sum"),
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
     def counting(function: Callable[..., Any], phase: str) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -121,13 +121,11 @@ def counted_phases(flops: dict[str, float]) -> Iterator[None]:
 
         return counted
 
-    for (owner, name, phase), (_, _, original) in zip(targets, originals):
-        setattr(owner, name, counting(original, phase))
-    try:
-        yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+    targets = [
+        (torch_passes, "_reduce_records", "norms"),
+        (torch_quantities, "weighted_sums", "clipped sum"),
+    ]
+    return wrapped_phases(targets, counting)
 
 
 def step_flops(steps: dict[str, Callable[[], Any]]) -> dict[str, dict[str, float]]:

@@ -427,7 +427,7 @@ def _layer_calls(
     gradient), each checked by its rule's ``check`` (which the compiled runs of the layout
     then do without); None where that run fails or a check refuses a call (the eager capture
     then runs, and says why)."""
-    calls: dict[str, list[LayerCallShape]] = {name: [] for name in owners.modules}
+    calls: dict[str, list[LayerCallShape]] = {name: [] for name in (*owners.modules, *owners.units)}
     rules = _rules(owners)
 
     def note(
@@ -454,7 +454,6 @@ def _layer_calls(
             raise _NotInGraphs  # (the eager capture refuses it, and says why)
         calls[name].append(LayerCallShape(tuple(first.shape), first.dtype, 0))
 
-    calls.update({name: [] for name in owners.units})
     detached = {name[len(PREFIX) :]: p.detach() for name, p in params.items()}
     args, kwargs = _arguments(inputs)
     try:
